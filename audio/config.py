@@ -1,0 +1,50 @@
+"""Typed configuration of the audio components, one dataclass each.
+
+Plain dataclasses keep `audio` free of application dependencies; `__pydantic_config__` lets the
+application's YAML loader validate them strictly without this package importing pydantic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+STRICT = {"extra": "forbid", "validate_assignment": True}
+
+
+@dataclass
+class VADConfig:
+    """Silero VAD turn detection."""
+
+    __pydantic_config__ = STRICT
+
+    model: str = "silero-vad"
+    confidence: float = 0.7
+    start_secs: float = 0.2
+    stop_secs: float = 0.5  # the hangover: silence needed before the turn counts as ended
+    min_volume: float = 0.6
+
+
+@dataclass
+class ASRConfig:
+    """faster-whisper transcription, streamed while the caller speaks."""
+
+    __pydantic_config__ = STRICT
+
+    model: str = "whisper-tiny.en"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    compute_type: str = "auto"  # CTranslate2 compute type; auto = int8 on CPU, float16 on CUDA
+    language: str = "en"
+    beam_size: int = 1
+    interim_every_ms: int = 300  # re-transcribe the growing utterance at this cadence
+
+
+@dataclass
+class TTSConfig:
+    """Piper text-to-speech, synthesised clause by clause."""
+
+    __pydantic_config__ = STRICT
+
+    voice: str = "piper-joe-medium"
+    use_cuda: bool = False
+    length_scale: float = 1.0  # >1 speaks slower

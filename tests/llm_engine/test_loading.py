@@ -1,0 +1,47 @@
+import time
+
+import pytest
+import torch
+
+from llm_engine.loading import ModelLoadError, load_causal_lm, pick_dtype
+from voiceagent.models import resolve
+
+
+def test_hf_folder_round_trip(tmp_path, tokenizer, target):
+    target.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    m = load_causal_lm(str(tmp_path), device="cpu", dtype="auto", progress=lambda _: None)
+    assert m.gguf_file is None and m.dtype == "float32" and m.device == "cpu"
+    weights = sum(p.numel() * 4 for p in target.parameters())
+    assert weights <= m.param_bytes < weights * 1.01  # plus small buffers (rotary inv_freq)
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(m.model(ids).logits, target(ids).logits)
+
+
+def test_missing_path_is_one_line():
+    with pytest.raises(ModelLoadError, match="model path does not exist: /no/such/model.gguf"):
+        load_causal_lm("/no/such/model.gguf", progress=lambda _: None)
+
+
+def test_hub_id_offline_says_so():
+    with pytest.raises(ModelLoadError, match="offline .HF_HUB_OFFLINE=1."):
+        load_causal_lm("someone/not-a-real-model", progress=lambda _: None)
+
+
+def test_auto_dtype_is_fp32_on_cpu():
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_gguf_is_dequantised_once_then_loaded_from_cache(tmp_path):
+    gguf = resolve("smollm2-135m-instruct", "llm").location
+    first = load_causal_lm(gguf, cache_dir=tmp_path, progress=lambda _: None)
+    t0 = time.perf_counter()
+    second = load_causal_lm(gguf, cache_dir=tmp_path, progress=lambda _: None)
+    second_s = time.perf_counter() - t0
+    assert not first.from_cache and second.from_cache
+    assert first.file_sha256 == second.file_sha256
+    assert second_s < first.load_s  # loose bound: catches a cache that is never hit
+    ids = torch.tensor([[1, 504, 3458, 28]])
+    assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template

@@ -1,0 +1,104 @@
+"""The `voiceagent` command line. Heavy imports happen inside each subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from voiceagent.config import ConfigError, load_config
+
+# Subcommands whose issue has not landed yet say so plainly.
+PENDING = {
+    "serve": "the call server (issue #5)",
+    "call": "the voice pipeline (issue #4)",
+    "chat": "the speculative engine's streaming API (issue #3)",
+    "bench": "the engine benchmark (issue #3)",
+}
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (default: configs/default.yaml)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set engine.speculation.method=off (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="voiceagent",
+        description="Real-time voice agent with an in-process speculative-decoding LLM engine.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the call server (browser WebRTC, Twilio, dashboard)")
+    _config_args(p)
+    p.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default from config: 7860)")
+
+    p = sub.add_parser("call", help="simulate a phone call from a WAV file through the pipeline")
+    _config_args(p)
+    p.add_argument("--wav", required=True, help="caller audio (WAV)")
+    p.add_argument("--out", help="write the bot's audio here (WAV)")
+    p.add_argument("--json", action="store_true", help="print the turn records as JSON")
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--realtime", action="store_true", help="stream at real-time pace (default)")
+    pace.add_argument("--fast", action="store_true", help="stream as fast as possible")
+
+    p = sub.add_parser("chat", help="generate one reply with the engine only (no audio)")
+    _config_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--speculative", choices=["off", "ngram", "draft"])
+    p.add_argument("--draft", help="draft model name or path (implies --speculative draft)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("bench", help="benchmarks (JSON + Markdown under results/)")
+    _config_args(p)
+    p.add_argument("what", choices=["engine"], help="what to benchmark")
+
+    p = sub.add_parser("doctor", help="check the environment and load every configured model")
+    _config_args(p)
+    return parser
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from voiceagent.doctor import run_doctor
+
+    cfg = load_config(args.config, args.overrides)
+    report = run_doctor(cfg)
+    if report.problems:
+        print(f"{len(report.problems)} problem(s):", file=sys.stderr)
+        for check in report.problems:
+            print(f"  {check.name}: {check.detail}", file=sys.stderr)
+        return 1
+    print("all checks passed")
+    return 0
+
+
+COMMANDS = {"doctor": cmd_doctor}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = COMMANDS.get(args.command)
+    if handler is None:
+        print(
+            f"voiceagent {args.command} is not available yet: it lands with "
+            f"{PENDING[args.command]}.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The root config: one typed section per component, loaded from YAML plus `--set` overrides.
+
+Each component owns its own config type (engine and audio ones live in their packages); this
+module only composes them and turns validation failures into one-line errors that list the
+valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from audio.config import ASRConfig, TTSConfig, VADConfig
+from llm_engine.config import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """Bad config file or override; the message says which key and what is allowed."""
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(7860, ge=1, le=65535)
+    # Shared token for /api/offer, /telephony/twilio and the dashboard; env VOICEAGENT_TOKEN.
+    token: str | None = None
+    twilio_auth_token: str | None = None  # enables Twilio request-signature validation
+    max_calls: int = Field(4, ge=1)
+    max_message_bytes: int = Field(64 * 1024, ge=1024)
+    idle_timeout_s: float = Field(60.0, gt=0)
+
+
+class PathsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    cache_dir: str = "~/.cache/voiceagent"  # de-quantised GGUF weights and file hashes
+    runs_dir: str = "runs"  # per-call turn records
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    asr: ASRConfig = Field(default_factory=ASRConfig)
+    tts: TTSConfig = Field(default_factory=TTSConfig)
+    vad: VADConfig = Field(default_factory=VADConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    paths: PathsConfig = Field(default_factory=PathsConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (the CPU default when None), apply `key=value` overrides, validate."""
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for item in overrides or []:
+        apply_override(data, item)
+    server = data.setdefault("server", {}) or {}
+    if server.get("token") is None and os.environ.get("VOICEAGENT_TOKEN"):
+        server["token"] = os.environ["VOICEAGENT_TOKEN"]
+    data["server"] = server
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source=str(path))) from None
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, bools, lists)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{item}' must look like key=value, e.g. engine.device=cpu")
+    parts = key.strip().split(".")
+    _check_key_path(parts)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+
+
+def _fields(tp: Any) -> dict[str, Any] | None:
+    """Field name -> type of a config class, or None for a leaf type."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return {name: f.annotation for name, f in tp.model_fields.items()}
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return {f.name: hints[f.name] for f in dataclasses.fields(tp)}
+    return None
+
+
+def _check_key_path(parts: list[str]) -> None:
+    tp: Any = Config
+    for depth, part in enumerate(parts):
+        fields = _fields(tp)
+        where = ".".join(parts[:depth]) or "the config"
+        if fields is None:
+            raise ConfigError(f"'{where}' is a value, it has no key '{part}'")
+        if part not in fields:
+            raise ConfigError(
+                f"unknown config key '{'.'.join(parts)}': '{part}' is not in {where}; "
+                f"valid keys: {', '.join(fields)}"
+            )
+        tp = fields[part]
+    if _fields(tp) is not None:
+        raise ConfigError(
+            f"'{'.'.join(parts)}' is a section; set one of its keys: {', '.join(_fields(tp))}"
+        )
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc)
+        if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            section = _section_type(loc[:-1])
+            valid = ", ".join(_fields(section) or {}) if section is not None else "?"
+            lines.append(f"unknown config key '{key}'; valid keys here: {valid}")
+        else:
+            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+    return f"invalid config ({source}): " + "; ".join(lines)
+
+
+def _section_type(loc: list[str]) -> Any:
+    tp: Any = Config
+    for part in loc:
+        fields = _fields(tp)
+        if fields is None or part not in fields:
+            return None
+        tp = fields[part]
+    return tp

@@ -1,0 +1,113 @@
+"""`voiceagent doctor`: environment, devices, and a timed load of every configured model."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from voiceagent.config import Config
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    seconds: float | None = None
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+
+def environment_lines() -> list[str]:
+    import torch
+    import transformers
+
+    lines = [
+        f"python {platform.python_version()} ({platform.machine()}), torch {torch.__version__}, "
+        f"transformers {transformers.__version__}"
+    ]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            bf16 = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            lines.append(f"device: cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, {bf16}")
+    else:
+        lines.append(
+            f"device: cpu, torch threads {torch.get_num_threads()} of {os.cpu_count()} cores "
+            "(no CUDA)"
+        )
+    return lines
+
+
+def _timed(report: Report, name: str, load: Callable[[], str], say: Callable[[str], None]):
+    t0 = time.perf_counter()
+    try:
+        detail = load()
+    except Exception as exc:  # doctor reports every failure as one line and goes on
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        report.checks.append(Check(name, False, first))
+        say(f"  FAIL {name}: {first}")
+        return
+    dt = time.perf_counter() - t0
+    report.checks.append(Check(name, True, detail, dt))
+    say(f"  ok   {name}: {detail} [{dt:.2f} s]")
+
+
+def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
+    from audio.loaders import load_piper, load_silero, load_whisper
+    from voiceagent.llm_setup import load_llm
+    from voiceagent.models import resolve
+
+    for line in environment_lines():
+        say(line)
+    report = Report()
+    say("models:")
+    quiet = lambda msg: say(f"       {msg}")  # noqa: E731 - progress lines under the model
+    loaded = {}
+
+    def llm(role: str, name: str) -> str:
+        m = load_llm(name, cfg.engine, cfg.paths.cache_dir, quiet)
+        loaded[role] = m
+        how = "from the de-quantised cache" if m.from_cache else "fresh"
+        return (
+            f"{name} -> {m.source} ({m.param_bytes / 2**20:.0f} MiB {m.dtype} on {m.device}, "
+            f"{how})"
+        )
+
+    _timed(report, "llm target", lambda: llm("target", cfg.engine.target), say)
+    if cfg.engine.speculation.method == "draft":
+        if not cfg.engine.draft:
+            report.checks.append(Check("llm draft", False, "method=draft but engine.draft unset"))
+            say("  FAIL llm draft: engine.speculation.method=draft but engine.draft is not set")
+        else:
+            _timed(report, "llm draft", lambda: llm("draft", cfg.engine.draft), say)
+
+    def asr() -> str:
+        r = resolve(cfg.asr.model, "asr")
+        load_whisper(r.location, cfg.asr.device, cfg.asr.compute_type)
+        return f"{r.name} -> {r.location}"
+
+    def tts() -> str:
+        r = resolve(cfg.tts.voice, "tts")
+        voice = load_piper(r.location, cfg.tts.use_cuda)
+        return f"{r.name} -> {r.location} ({voice.config.sample_rate} Hz)"
+
+    def vad() -> str:
+        r = resolve(cfg.vad.model, "vad")
+        load_silero(r.location)
+        return f"{r.name} -> {r.location}"
+
+    _timed(report, "asr", asr, say)
+    _timed(report, "tts", tts, say)
+    _timed(report, "vad", vad, say)
+    return report
