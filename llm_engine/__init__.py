@@ -1,1 +1,1 @@
-"""llm_engine: an in-process draft-target speculative decoding engine (torch + transformers only)."""
+"""llm_engine: an in-process draft-target speculative decoding engine."""
