@@ -5,3 +5,16 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct target, loaded once (de-quantised cache reused)."""
+    from voiceagent.config import load_config
+    from voiceagent.llm_setup import load_llm
+
+    cfg = load_config()
+    return load_llm(cfg.engine.target, cfg.engine, cfg.paths.cache_dir, progress=lambda _: None)

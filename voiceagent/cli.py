@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llm_engine.contract import IncompatiblePairError
+from llm_engine.loading import ModelLoadError
 from voiceagent.config import ConfigError, load_config
+from voiceagent.models import ModelNotFound
 
 # Subcommands whose issue has not landed yet say so plainly.
 PENDING = {
     "serve": "the call server (issue #5)",
     "call": "the voice pipeline (issue #4)",
-    "chat": "the speculative engine's streaming API (issue #3)",
-    "bench": "the engine benchmark (issue #3)",
 }
 
 
@@ -58,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks (JSON + Markdown under results/)")
     _config_args(p)
     p.add_argument("what", choices=["engine"], help="what to benchmark")
+    p.add_argument("--prompts", default=None, help="prompt set YAML "
+                   "(default: configs/prompts/engine_bench_v1.yaml)")
+    p.add_argument("--modes", help="engine modes, comma-separated (default: off,ngram and draft "
+                   "when engine.draft is set; off always runs, it is the reference)")
+    p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
+    p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
+    p.add_argument("--segments", help="comma-separated segment names (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every mode")
+    p.add_argument("--hf-lookup-tokens", type=int, default=10,
+                   help="HF generate(prompt_lookup_num_tokens=N) (default: 10)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baselines")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
+    p.add_argument("--out", default="results", help="results folder (default: results)")
 
     p = sub.add_parser("doctor", help="check the environment and load every configured model")
     _config_args(p)
@@ -78,7 +94,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"doctor": cmd_doctor}
+def cmd_chat(args: argparse.Namespace) -> int:
+    from voiceagent.chat import run_chat
+
+    return run_chat(load_config(args.config, args.overrides), args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from voiceagent.bench_engine import DEFAULT_PROMPTS, run_engine_bench
+
+    args.prompts = args.prompts or str(DEFAULT_PROMPTS)
+    return run_engine_bench(load_config(args.config, args.overrides), args)
+
+
+COMMANDS = {"doctor": cmd_doctor, "chat": cmd_chat, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return handler(args)
-    except ConfigError as exc:
+    except (ConfigError, ModelNotFound, ModelLoadError, IncompatiblePairError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

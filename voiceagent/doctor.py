@@ -107,7 +107,31 @@ def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
         load_silero(r.location)
         return f"{r.name} -> {r.location}"
 
+    if "target" in loaded:
+        _pair_card(report, cfg, loaded, say)
     _timed(report, "asr", asr, say)
     _timed(report, "tts", tts, say)
     _timed(report, "vad", vad, say)
     return report
+
+
+def _pair_card(report: Report, cfg: Config, loaded: dict, say: Callable[[str], None]) -> None:
+    """Check the draft/target contract and print the pair card (seed 001's record)."""
+    from llm_engine.contract import make_pair_card
+    from voiceagent.llm_setup import resident_bytes
+
+    target, draft = loaded["target"], loaded.get("draft")
+    if cfg.engine.speculation.method == "draft" and draft is None:
+        return  # the draft's own failure is already reported
+    try:
+        card = make_pair_card(target, draft, cfg.engine, resident_bytes(target, draft))
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0]
+        report.checks.append(Check("pair", False, first))
+        say(f"  FAIL pair: {exc}")
+        return
+    report.checks.append(Check("pair", True, card.card_hash))
+    say(f"  ok   pair: compatible, resident {card.resident_bytes / 2**20:.0f} MiB")
+    say("pair card:")
+    for line in card.to_json().splitlines():
+        say(f"  {line}")

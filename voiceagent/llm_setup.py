@@ -1,12 +1,19 @@
-"""Resolve and load the engine's target and draft models named in the config."""
+"""Resolve, load and check the engine's models named in the config; build the running engine."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from llm_engine.config import EngineConfig
+from llm_engine.contract import make_pair_card
+from llm_engine.engine import SpeculativeEngine
 from llm_engine.loading import LoadedModel, load_causal_lm
+from llm_engine.pair_card import PairCard
+from llm_engine.serving import AsyncEngine
 from voiceagent.models import resolve
 
 
@@ -36,3 +43,37 @@ def load_pair(
     if engine.draft == engine.target:
         return target, target  # target as its own draft (the sanity check): one copy
     return target, load_llm(engine.draft, engine, cache_dir, progress)
+
+
+def resident_bytes(target: LoadedModel, draft: LoadedModel | None) -> int:
+    """Memory of the whole pair: allocated CUDA memory on a GPU, else the weights' bytes."""
+    if target.device.startswith("cuda"):
+        return torch.cuda.memory_allocated(torch.device(target.device))
+    same = draft is None or draft.model is target.model
+    return target.param_bytes + (0 if same else draft.param_bytes)
+
+
+@dataclass
+class LLMRuntime:
+    target: LoadedModel
+    draft: LoadedModel | None
+    card: PairCard
+    engine: SpeculativeEngine
+
+    def serve(self) -> AsyncEngine:
+        """The engine on its worker thread, for asyncio callers."""
+        return AsyncEngine(self.engine)
+
+
+def build_runtime(
+    engine_cfg: EngineConfig, cache_dir: str, progress: Callable[[str], None] = print
+) -> LLMRuntime:
+    """Load the pair, refuse an incompatible one (IncompatiblePairError), record its card."""
+    if engine_cfg.threads > 0:
+        torch.set_num_threads(engine_cfg.threads)
+    target, draft = load_pair(engine_cfg, cache_dir, progress)
+    card = make_pair_card(target, draft, engine_cfg, resident_bytes(target, draft))
+    engine = SpeculativeEngine(
+        target.model, target.tokenizer, engine_cfg, draft.model if draft else None
+    )
+    return LLMRuntime(target, draft, card, engine)

@@ -1,3 +1,5 @@
+import json
+
 from voiceagent.cli import main
 
 
@@ -26,3 +28,27 @@ def test_doctor_reports_a_missing_model_in_one_line_and_fails(capsys, tmp_path):
     assert "ok   asr" in captured.out and "ok   vad" in captured.out
     assert "Traceback" not in captured.out + captured.err
     assert "2 problem(s)" in captured.err
+
+
+def test_chat_json_prints_text_token_ids_and_stats(capsys):
+    code = main(["chat", "What is 2 plus 2?", "--json", "--max-new-tokens", "8", "--seed", "1"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] and len(out["token_ids"]) <= 8
+    stats = out["stats"]
+    for key in ("ttft_ms", "itl_ms", "steps", "k_history", "accepted_by_pos", "tokens_per_s"):
+        assert key in stats
+
+
+def test_doctor_refuses_an_incompatible_draft(capsys, tmp_path):
+    from tests.llm_engine.tiny_models import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    make_model(len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    code = main([
+        "doctor", "--set", "engine.speculation.method=draft", "--set", f"engine.draft={tmp_path}",
+    ])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL pair:" in out and "vocabular" in out.lower()

@@ -1,0 +1,345 @@
+"""The synchronous speculative decoding core: prefill, decode, speculative step, generate.
+
+Draft-then-verify (Leviathan et al. 2023; Chen et al. 2023): a proposer drafts k tokens, the
+target scores all of them in one forward pass, `llm_engine.verify` keeps the longest acceptable
+prefix plus one recovered or bonus token, and both KV caches are rolled back to the committed
+tokens. The API is step-level so that a scheduler thread can round-robin between requests; each
+`RequestState` owns its caches, generator, proposer and statistics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from llm_engine import kv
+from llm_engine.adaptive import AdaptiveK, CostGate, PlainStepCost
+from llm_engine.config import EngineConfig, SamplingConfig
+from llm_engine.proposers import EMPTY_DRAFT, Draft, ProposeContext, Proposer, make_proposer
+from llm_engine.sampling import is_greedy, logits_to_probs, make_generator
+from llm_engine.stats import EngineTotals, RequestStats, StepStats
+from llm_engine.verify import VerifyResult, clip_committed, verify_greedy, verify_sampling
+
+_NO_TOKENS = torch.empty(0, dtype=torch.long)  # [0], the draft of a plain step
+
+
+@dataclass(eq=False)
+class RequestState:
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    session_id: str | None
+    method: str
+    token_ids: list[int]  # committed tokens, prompt first; the target cache holds all but the last
+    cache: DynamicCache | None
+    generator: torch.Generator
+    proposer: Proposer
+    k_control: AdaptiveK
+    gate: CostGate
+    stats: RequestStats
+    t_start: float
+    reuse_len: int = 0  # prompt tokens whose KV came from the session cache
+    prefilled: bool = False
+    finished: bool = False
+    finish_reason: str | None = None  # 'eos' | 'length' | 'cancelled'
+    cancelled: bool = False  # set from any thread; honoured at the next step boundary
+    cancel_time: float | None = None
+    released: bool = field(default=False, repr=False)
+
+    def cancel(self) -> None:
+        self.cancel_time = time.perf_counter()
+        self.cancelled = True
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+
+@dataclass
+class _SessionKV:
+    cached_tokens: list[int]  # the tokens whose positions the cache holds
+    cache: DynamicCache
+    proposer: Proposer
+    method: str
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target_model: torch.nn.Module,
+        tokenizer,
+        config: EngineConfig,
+        draft_model: torch.nn.Module | None = None,
+        max_sessions: int = 8,
+        eos_token_ids: set[int] | None = None,
+    ):
+        # Fail at construction, not at the first request: unknown method, draft model missing.
+        make_proposer(config.speculation.method, config.speculation, draft_model).release()
+        self.target = target_model
+        self.tokenizer = tokenizer  # kept for callers; never used on the decode path
+        self.config = config
+        self.spec = config.speculation
+        self.draft_model = draft_model
+        self.device = next(target_model.parameters()).device
+        self.eos_token_ids = frozenset(
+            eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, target_model)
+        )
+        self.max_sessions = max_sessions
+        self.plain_cost = PlainStepCost()  # one estimate per engine: it is a machine property
+        self.totals = EngineTotals()
+        self._sessions: OrderedDict[str, _SessionKV] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- request lifecycle -------------------------------------------------------------------
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig | None = None,
+        session_id: str | None = None,
+        method: str | None = None,
+    ) -> RequestState:
+        """Create a request. No model work happens here; the first step() prefills."""
+        sampling = sampling or self.config.sampling
+        method = method or self.spec.method
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.config.max_context:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens >= max_context")
+        cache, proposer, reuse_len = self._take_session(session_id, prompt_ids, method)
+        proposer.begin(prompt_ids)
+        spec = self.spec
+        # A seeded sampled request draws its random numbers in an order set by the K schedule;
+        # a timing-driven gate would make that schedule, hence the tokens, vary between runs.
+        timing_free = not is_greedy(sampling) and sampling.seed is not None
+        return RequestState(
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            session_id=session_id,
+            method=method,
+            token_ids=list(prompt_ids),
+            cache=cache,
+            generator=make_generator(sampling.seed, self.device),
+            proposer=proposer,
+            k_control=AdaptiveK(
+                spec.num_draft_tokens, spec.min_draft_tokens, spec.max_draft_tokens, spec.adaptive
+            ),
+            gate=CostGate(
+                self.plain_cost,
+                enabled=spec.gate and not timing_free,
+                min_steps=spec.gate_min_steps,
+                reprobe_steps=spec.gate_reprobe_steps,
+            ),
+            stats=RequestStats(method=method, prompt_tokens=len(prompt_ids)),
+            t_start=time.perf_counter(),
+            reuse_len=reuse_len,
+        )
+
+    def step(self, state: RequestState) -> list[int]:
+        """Advance one step and return the newly committed token ids (EOS included, if hit)."""
+        if state.finished:
+            return []
+        if state.cancelled:
+            self._finish(state, "cancelled")
+            return []
+        budget = self._budget(state)
+        if budget <= 0:
+            self._finish(state, "length")
+            return []
+        with torch.inference_mode():
+            if not state.prefilled:
+                return self._prefill(state, budget)
+            return self._speculative_step(state, budget)
+
+    def release(self, state: RequestState) -> None:
+        """Free the request's KV, or keep it as its session's prefix cache."""
+        if state.released:
+            return
+        state.released = True
+        if not state.finished:
+            self._finish(state, "cancelled")
+        if state.session_id is not None and state.cache is not None:
+            cached = state.token_ids[: kv.cache_length(state.cache)]
+            self._keep_session(
+                state.session_id, _SessionKV(cached, state.cache, state.proposer, state.method)
+            )
+        else:
+            state.proposer.release()
+        state.cache = None
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig | None = None,
+        session_id: str | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the tokens of each step until the request finishes. For stats, use start/step."""
+        state = self.start(prompt_ids, sampling, session_id)
+        try:
+            while not state.finished:
+                tokens = self.step(state)
+                if tokens:
+                    yield tokens
+        finally:
+            self.release(state)
+
+    # -- the ladder: prefill, decode, speculative step -----------------------------------------
+
+    def _prefill(self, state: RequestState, budget: int) -> list[int]:
+        """Run the prompt (or its new suffix) through the target; commit the first token."""
+        t0 = time.perf_counter()
+        suffix = state.token_ids[state.reuse_len :]
+        input_ids = torch.tensor([suffix], device=self.device)  # [1, n]
+        logits = kv.forward(self.target, input_ids, state.cache, last_only=True)  # [1, vocab]
+        result = self._verify(state, EMPTY_DRAFT, logits)
+        state.prefilled = True
+        stats = state.stats
+        stats.prefill_ms = (time.perf_counter() - t0) * 1000.0
+        stats.prefill_tokens = len(suffix)
+        stats.reused_prefix_tokens = state.reuse_len
+        return self._commit(state, result.tokens, budget)
+
+    def _speculative_step(self, state: RequestState, budget: int) -> list[int]:
+        """Draft k tokens, verify them in one target forward, commit, roll back. k = 0 decodes."""
+        # The bonus token means k drafts can commit k + 1 tokens: never draft past the budget.
+        k = min(state.k_control.k if state.gate.allows() else 0, budget - 1)
+        t0 = time.perf_counter()
+        draft = EMPTY_DRAFT
+        if k > 0:
+            ctx = ProposeContext(state.token_ids, k, state.sampling, state.generator)
+            draft = state.proposer.propose(ctx)
+        t1 = time.perf_counter()
+        input_ids = torch.tensor([[state.token_ids[-1], *draft.tokens]], device=self.device)
+        logits = kv.forward(self.target, input_ids, state.cache)  # [k + 1, vocab]
+        result = self._verify(state, draft, logits)
+        t2 = time.perf_counter()
+
+        drafted = len(draft.tokens)
+        if drafted:
+            state.proposer.update(result.num_accepted)
+        state.k_control.observe(drafted, result.num_accepted)
+        state.gate.observe(drafted, len(result.tokens), (t2 - t0) * 1000.0)
+        step = StepStats(
+            k=k,
+            drafted=drafted,
+            accepted=result.num_accepted,
+            rejection_pos=result.rejection_pos,
+            committed=0,
+            draft_ms=(t1 - t0) * 1000.0,
+            verify_ms=(t2 - t1) * 1000.0,
+        )
+        state.stats.record_step(step)
+        new = self._commit(state, result.tokens, budget)
+        step.committed = len(new)
+        return new
+
+    def _verify(self, state: RequestState, draft: Draft, logits: torch.Tensor) -> VerifyResult:
+        # logits: [k + 1, vocab]
+        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long) if draft.tokens else _NO_TOKENS
+        if is_greedy(state.sampling):
+            return verify_greedy(draft_tokens, logits)
+        p = logits_to_probs(logits, state.sampling)  # [k + 1, vocab]
+        q = None if draft.q is None else _align_vocab(draft.q.to(p.device), p.shape[-1])
+        return verify_sampling(draft_tokens, q, p, state.generator)
+
+    def _commit(self, state: RequestState, tokens: list[int], budget: int) -> list[int]:
+        """Append verified tokens (cut at EOS or the budget) and roll the target cache back."""
+        tokens, reason = clip_committed(tokens, self.eos_token_ids, budget)
+        state.token_ids.extend(tokens)
+        # Drop the KV of rejected drafts (and of anything after an EOS): the cache holds exactly
+        # the committed tokens but the last, which the next step feeds.
+        kv.crop_to(state.cache, len(state.token_ids) - 1)
+        now_ms = (time.perf_counter() - state.t_start) * 1000.0
+        state.stats.record_tokens(len(tokens), now_ms)
+        if reason is not None:
+            self._finish(state, reason)
+        return tokens
+
+    def _budget(self, state: RequestState) -> int:
+        generated = len(state.token_ids) - len(state.prompt_ids)
+        return min(
+            state.sampling.max_new_tokens - generated,
+            self.config.max_context - len(state.token_ids),
+        )
+
+    def _finish(self, state: RequestState, reason: str) -> None:
+        state.finished = True
+        state.finish_reason = reason
+        stats = state.stats
+        now = time.perf_counter()
+        stats.finish_reason = reason
+        stats.total_ms = (now - state.t_start) * 1000.0
+        stats.gated_off = state.gate.closed_count > 0
+        if reason == "cancelled" and state.cancel_time is not None:
+            stats.cancel_to_stop_ms = (now - state.cancel_time) * 1000.0
+        with self._lock:
+            self.totals.add(stats)
+
+    # -- prefix reuse between turns of one session ----------------------------------------------
+
+    def _take_session(
+        self, session_id: str | None, prompt_ids: list[int], method: str
+    ) -> tuple[DynamicCache, Proposer, int]:
+        """The session's cache cropped to the prompt's shared prefix, or a fresh one."""
+        entry = None
+        if session_id is not None:
+            with self._lock:
+                entry = self._sessions.pop(session_id, None)
+        if entry is None:
+            proposer = make_proposer(method, self.spec, self.draft_model)
+            return kv.new_cache(self.target), proposer, 0
+        # Keep at least one prompt token to feed: its logits give the first new token.
+        keep = min(kv.common_prefix_len(entry.cached_tokens, prompt_ids), len(prompt_ids) - 1)
+        kv.crop_to(entry.cache, keep)
+        proposer = entry.proposer
+        if entry.method != method:
+            proposer.release()
+            proposer = make_proposer(method, self.spec, self.draft_model)
+        return entry.cache, proposer, keep
+
+    def _keep_session(self, session_id: str, entry: _SessionKV) -> None:
+        with self._lock:
+            old = self._sessions.pop(session_id, None)
+            self._sessions[session_id] = entry
+            evicted = [old] if old is not None else []
+            while len(self._sessions) > self.max_sessions:
+                evicted.append(self._sessions.popitem(last=False)[1])
+        for stale in evicted:
+            stale.proposer.release()
+
+    def drop_session(self, session_id: str) -> None:
+        """Forget a session's prefix cache (the call ended)."""
+        with self._lock:
+            entry = self._sessions.pop(session_id, None)
+        if entry is not None:
+            entry.proposer.release()
+
+
+def _eos_ids(tokenizer, model: torch.nn.Module) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos is not None:
+        ids.update(int(i) for i in eos)
+    return ids
+
+
+def _align_vocab(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    # q: [k, draft_vocab] -> [k, vocab]. Checkpoints pad their embeddings differently; the
+    # padding ids are never drafted, so zero probability there is exact.
+    if q.shape[-1] == vocab:
+        return q
+    if q.shape[-1] > vocab:
+        return q[:, :vocab]
+    return F.pad(q, (0, vocab - q.shape[-1]))

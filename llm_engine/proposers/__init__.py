@@ -1,0 +1,22 @@
+"""Proposers, registered by name: `off`, `ngram` and `draft`."""
+
+from llm_engine.proposers import draft_model, ngram, off  # noqa: F401  (imports register them)
+from llm_engine.proposers.base import (
+    EMPTY_DRAFT,
+    Draft,
+    ProposeContext,
+    Proposer,
+    make_proposer,
+    proposer_names,
+    register,
+)
+
+__all__ = [
+    "EMPTY_DRAFT",
+    "Draft",
+    "ProposeContext",
+    "Proposer",
+    "make_proposer",
+    "proposer_names",
+    "register",
+]

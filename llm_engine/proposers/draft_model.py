@@ -1,0 +1,78 @@
+"""`draft`: an independent causal LM proposes k tokens, one cached forward each.
+
+Any Hugging Face causal LM that shares the target's vocabulary can draft, including the target
+itself (then every draft is accepted). The proposer owns the draft's KV cache and keeps the same
+invariant as the engine's target cache (`llm_engine.kv`): it only holds committed tokens, and
+tokens it has not seen yet (the recovered or bonus token, gated plain steps) are fed at the start
+of the next proposal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_engine import kv
+from llm_engine.config import SpeculationConfig
+from llm_engine.proposers.base import Draft, ProposeContext, register
+from llm_engine.sampling import is_greedy, logits_to_probs, sample
+
+
+@register("draft")
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = kv.new_cache(model)
+        self._cached: list[int] = []  # the tokens whose positions are in self.cache
+        self._last_k = 0
+
+    @classmethod
+    def create(cls, spec: SpeculationConfig, draft_model: torch.nn.Module | None = None):
+        if draft_model is None:
+            raise ValueError("speculation method 'draft' needs a draft model")
+        return cls(draft_model)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        # A cache kept from an earlier turn stays valid up to the first differing token.
+        keep = kv.common_prefix_len(self._cached, prompt_ids)
+        self._rollback(keep)
+
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> Draft:
+        assert len(self._cached) < len(ctx.token_ids)
+        if ctx.k <= 0:
+            return Draft([])
+        pending = ctx.token_ids[len(self._cached) :]
+        greedy = is_greedy(ctx.sampling)
+        next_input = torch.tensor([pending], device=self.device)  # [1, n_pending]
+        drafted, probs = [], []
+        for i in range(ctx.k):
+            logits = kv.forward(self.model, next_input, self.cache, last_only=True)  # [1, vocab]
+            if greedy:
+                token = logits.argmax(dim=-1)  # [1]
+            else:
+                q_row = logits_to_probs(logits, ctx.sampling)  # [1, vocab]
+                token = sample(q_row, ctx.generator)  # [1]
+                probs.append(q_row)
+            drafted.append(token)
+            if i + 1 < ctx.k:
+                next_input = token.view(1, 1)  # stays on the device: one host sync per proposal
+        self._cached.extend(pending)
+        tokens = torch.cat(drafted).tolist()  # [k]
+        self._cached.extend(tokens[:-1])  # the last draft token was never fed
+        self._last_k = ctx.k
+        return Draft(tokens, torch.cat(probs) if probs else None)  # q: [k, vocab]
+
+    def update(self, num_accepted: int) -> None:
+        # The cache holds the context plus drafts d_0..d_{k-2}; only accepted ones stay valid.
+        rejected_in_cache = (self._last_k - 1) - min(num_accepted, self._last_k - 1)
+        self._rollback(len(self._cached) - rejected_in_cache)
+
+    def release(self) -> None:
+        self.cache = kv.new_cache(self.model)
+        self._cached = []
+
+    def _rollback(self, length: int) -> None:
+        kv.crop_to(self.cache, length)
+        del self._cached[length:]
+        assert kv.cache_length(self.cache) == len(self._cached)

@@ -1,0 +1,225 @@
+"""The async bridge: one worker thread steps every in-flight request; asyncio gets text deltas.
+
+Sync torch, async pipeline, one bridge (STYLE.md 7). The event loop never touches torch: it
+submits a request and awaits `TextDelta`s that the worker hands over with
+`loop.call_soon_threadsafe`.
+
+Scheduling: requests are admitted in arrival order and the worker gives each active request one
+engine step in turn (prefill, or one draft+verify), round-robin. A new call's prefill therefore
+waits at most one step of each other request, and a long reply cannot starve anyone. Each forward
+runs at batch size 1: on a CPU and at voice-agent concurrency (a few calls per process) batching
+would add latency to every call for throughput nobody needs; a GPU deployment that needs many
+calls per device should move generation to vLLM/SGLang behind the same interface (ARCHITECTURE.md).
+
+Cancellation (barge-in): `RequestHandle.cancel()`, or cancelling the task that awaits the handle,
+sets the request's flag; the worker honours it at the next step boundary, frees the KV, and
+records cancel-to-stop time in the request's stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from llm_engine.config import SamplingConfig
+from llm_engine.detok import IncrementalDetokenizer, StopMatcher
+from llm_engine.engine import RequestState, SpeculativeEngine
+from llm_engine.stats import RequestStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TextDelta:
+    text: str
+    token_ids: list[int]
+    t: float  # perf_counter when the step that committed these tokens ended
+
+
+@dataclass
+class Completion:
+    text: str  # everything emitted (stop strings excluded)
+    token_ids: list[int]  # every token the engine committed
+    finish_reason: str  # 'eos' | 'length' | 'stop' | 'cancelled' | 'error'
+    stats: RequestStats
+    error: str | None = None
+
+
+_DONE = object()
+
+
+class RequestHandle:
+    """An in-flight request: iterate it for text deltas, `cancel()` it, or await `result()`."""
+
+    def __init__(self, state: RequestState, loop: asyncio.AbstractEventLoop, tokenizer):
+        self.state = state
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._detok = IncrementalDetokenizer(tokenizer, state.prompt_ids)
+        self._stops = StopMatcher(state.sampling.stop)
+        self._text: list[str] = []
+        self._completion: asyncio.Future = loop.create_future()
+        self.stopped_by_string = False
+        self._drained = False  # the end marker was consumed; iteration is over for good
+
+    def cancel(self) -> None:
+        """Stop at the next step boundary. Safe from any thread, idempotent."""
+        if not self.state.finished and not self.state.cancelled:
+            self.state.cancel()
+
+    @property
+    def done(self) -> bool:
+        return self._completion.done()
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> TextDelta:
+        if self._drained:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.cancel()  # the awaiting task was cancelled: stop the engine work too
+            raise
+        if item is _DONE:
+            self._drained = True
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> Completion:
+        """Wait for the end (draining the deltas); cancelling this await cancels the request."""
+        try:
+            async for _ in self:
+                pass
+            return await asyncio.shield(self._completion)
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    # -- called on the worker thread -----------------------------------------------------------
+
+    def _emit(self, tokens: list[int], t: float) -> bool:
+        """Detokenise and hand over; True when a stop string ended the request."""
+        text, stopped = self._stops.feed(self._detok.push(tokens))
+        if stopped:
+            self.stopped_by_string = True
+        elif self.state.finished:
+            tail, _ = self._stops.feed(self._detok.flush())
+            text += tail + self._stops.flush()
+        if text or tokens:
+            self._text.append(text)
+            self._post(TextDelta(text, tokens, t))
+        return stopped
+
+    def _finish(self, reason: str, error: str | None = None) -> None:
+        completion = Completion(
+            "".join(self._text), list(self.state.output_ids), reason, self.state.stats, error
+        )
+        self._post(_DONE)
+        self._post_result(completion)
+
+    def _post(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.state.cancel()
+
+    def _post_result(self, completion: Completion) -> None:
+        def resolve() -> None:
+            if not self._completion.done():
+                self._completion.set_result(completion)
+
+        try:
+            self._loop.call_soon_threadsafe(resolve)
+        except RuntimeError:
+            pass
+
+
+class AsyncEngine:
+    """Runs a `SpeculativeEngine` on its own worker thread for asyncio callers."""
+
+    def __init__(self, engine: SpeculativeEngine, name: str = "llm-engine"):
+        self.engine = engine
+        self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig | None = None,
+        session_id: str | None = None,
+        method: str | None = None,
+    ) -> RequestHandle:
+        """Queue a request; call from the event loop. Raises ValueError for a bad prompt."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        state = self.engine.start(prompt_ids, sampling, session_id, method)
+        handle = RequestHandle(state, asyncio.get_running_loop(), self.engine.tokenizer)
+        self._inbox.put(handle)
+        return handle
+
+    async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
+        return await self.submit(prompt_ids, **kwargs).result()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel whatever is in flight and stop the worker."""
+        self._closed = True
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # -- worker thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        active: deque[RequestHandle] = deque()
+        while True:
+            try:
+                while True:  # admit everything waiting; block only when idle
+                    item = self._inbox.get(block=not active)
+                    if item is None:
+                        self._shutdown(active)
+                        return
+                    active.append(item)
+            except queue.Empty:
+                pass
+            handle = active.popleft()
+            if self._step(handle):
+                active.append(handle)
+
+    def _step(self, handle: RequestHandle) -> bool:
+        """One engine step for one request; False when it is over."""
+        st = handle.state
+        try:
+            tokens = self.engine.step(st)
+            stopped = handle._emit(tokens, time.perf_counter()) if tokens else False
+        except Exception as exc:  # one bad request must not take the worker down
+            log.exception("request failed")
+            self._end(handle, "error", f"{type(exc).__name__}: {exc}")
+            return False
+        if stopped:
+            self._end(handle, "stop")
+            return False
+        if st.finished:
+            self._end(handle, st.finish_reason or "eos")
+            return False
+        return True
+
+    def _end(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
+        st = handle.state
+        if st.cancel_time is not None and reason == "cancelled":  # measured up to the KV freed
+            st.stats.cancel_to_stop_ms = (time.perf_counter() - st.cancel_time) * 1000
+        self.engine.release(st)
+        st.stats.finish_reason = reason  # release() reads an unfinished request as cancelled
+        handle._finish(reason, error)
+
+    def _shutdown(self, active: deque[RequestHandle]) -> None:
+        for handle in active:
+            handle.cancel()
+            self._end(handle, "cancelled")

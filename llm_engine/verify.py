@@ -1,0 +1,127 @@
+"""Verification of drafted tokens: pure functions over tensors, no model and no cache.
+
+Implements speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Decoding
+with Speculative Sampling").
+
+Vocabulary, used with these names throughout the package:
+- p: the target model's probabilities, one row per position, [k + 1, vocab].
+- q: the draft's (proposer's) probabilities for the drafted tokens, [k, vocab].
+- draft tokens d_0 .. d_{k-1}: what the proposer guessed for the next k positions.
+- accepted tokens: the longest prefix of the draft that the target keeps.
+- recovered token: at the first rejected position, a token drawn from the target instead
+  (greedy: the target's argmax; sampling: the normalised residual max(0, p - q)).
+- bonus token: when all k draft tokens are accepted, one more token from p[k], for free.
+Every step therefore commits num_accepted + 1 tokens. An empty draft (k = 0) is plain decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class VerifyResult:
+    tokens: list[int]  # committed: the accepted draft prefix, then the recovered or bonus token
+    num_accepted: int  # how many draft tokens were kept
+    rejection_pos: int | None  # index of the first rejected draft token; None when all accepted
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+    """Exact match against the target's argmax.
+
+    draft_tokens: [k]; target_logits: [k + 1, vocab], row i scores the position of draft token i
+    (row k scores the position after the whole draft).
+    """
+    assert draft_tokens.ndim == 1 and target_logits.ndim == 2
+    k = draft_tokens.shape[0]
+    assert target_logits.shape[0] == k + 1
+    # One host sync for the target's choices; comparing at most a few ints in Python is cheaper
+    # than a second device round trip.
+    target_tokens = target_logits.argmax(dim=-1).tolist()  # [k + 1]
+    draft = draft_tokens.tolist()
+    n = 0
+    while n < k and draft[n] == target_tokens[n]:
+        n += 1
+    # The accepted draft equals the target's own choices, so the committed tokens are simply the
+    # target's argmax up to and including the recovered (n < k) or bonus (n == k) position.
+    return VerifyResult(target_tokens[: n + 1], n, None if n == k else n)
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    q: torch.Tensor | None,
+    p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Rejection sampling: keep d_i with probability min(1, p_i(d_i) / q_i(d_i)).
+
+    draft_tokens: [k]; q: [k, vocab] or None for a deterministic proposer (q is then one-hot on
+    the draft token, the standard choice for n-gram drafts); p: [k + 1, vocab].
+    The committed tokens are distributed exactly as sampling from p one token at a time.
+    """
+    assert draft_tokens.ndim == 1 and p.ndim == 2
+    k = draft_tokens.shape[0]
+    assert p.shape[0] == k + 1
+    if k == 0:
+        return VerifyResult([_sample(p[0], generator)], 0, None)
+
+    draft = draft_tokens.to(p.device)
+    rows = torch.arange(k, device=p.device)
+    p_d = p[rows, draft]  # [k] target probability of each draft token
+    q_d = torch.ones_like(p_d) if q is None else q[rows, draft]  # [k]
+    u = torch.rand(k, device=p.device, generator=generator)  # [k], in [0, 1)
+    # u < p/q without the division: a zero q_d then accepts iff p_d > 0, as min(1, p/q) does.
+    accepted = (u * q_d < p_d).tolist()
+    n = accepted.index(False) if False in accepted else k
+    tokens = draft_tokens[:n].tolist()
+    if n == k:
+        tokens.append(_sample(p[k], generator))
+        return VerifyResult(tokens, k, None)
+    q_row = _one_hot(draft_tokens[n], p.shape[1], p) if q is None else q[n]
+    tokens.append(_sample(residual_distribution(p[n], q_row), generator))
+    return VerifyResult(tokens, n, n)
+
+
+def residual_distribution(p_row: torch.Tensor, q_row: torch.Tensor) -> torch.Tensor:
+    """Normalised max(0, p - q) over [vocab]; p itself when the residual has no mass.
+
+    The residual is zero only when p == q up to rounding, where a rejection is a float artefact;
+    sampling from p is then the exact answer.
+    """
+    assert p_row.ndim == 1 and q_row.ndim == 1
+    residual = torch.clamp(p_row - q_row, min=0.0)
+    total = residual.sum()
+    if total.item() <= 1e-12:
+        return p_row
+    return residual / total
+
+
+def clip_committed(
+    tokens: list[int], eos_token_ids: Collection[int], budget: int
+) -> tuple[list[int], str | None]:
+    """Cut committed tokens at the first EOS (kept) or at the token budget.
+
+    Returns the tokens to emit and the finish reason ('eos' | 'length'), or None to continue.
+    EOS can land inside an accepted draft: everything after it is dropped.
+    """
+    for i, token in enumerate(tokens[:budget]):
+        if token in eos_token_ids:
+            return tokens[: i + 1], "eos"
+    if len(tokens) >= budget:
+        return tokens[:budget], "length"
+    return tokens, None
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    # probs: [vocab]
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _one_hot(token: torch.Tensor, vocab: int, like: torch.Tensor) -> torch.Tensor:
+    row = torch.zeros(vocab, dtype=like.dtype, device=like.device)  # [vocab]
+    row[token.to(like.device)] = 1.0
+    return row

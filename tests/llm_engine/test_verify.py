@@ -1,0 +1,214 @@
+"""The verify functions on hand-built logits and probabilities (no model)."""
+
+from __future__ import annotations
+
+import torch
+
+from llm_engine.verify import (
+    VerifyResult,
+    clip_committed,
+    residual_distribution,
+    verify_greedy,
+    verify_sampling,
+)
+
+VOCAB = 8
+EOS = 7
+
+
+def greedy_logits(choices: list[int]) -> torch.Tensor:
+    """[len(choices), VOCAB] logits whose argmax at row i is choices[i]."""
+    logits = torch.zeros(len(choices), VOCAB)
+    logits[torch.arange(len(choices)), torch.tensor(choices)] = 5.0
+    return logits
+
+
+# -- greedy ---------------------------------------------------------------------------------------
+
+
+def test_greedy_all_accepted_adds_bonus_token():
+    result = verify_greedy(torch.tensor([3, 1, 4]), greedy_logits([3, 1, 4, 6]))
+    assert result.tokens == [3, 1, 4, 6]
+    assert result.num_accepted == 3
+    assert result.rejection_pos is None
+
+
+def test_greedy_first_token_rejected_gives_target_token():
+    result = verify_greedy(torch.tensor([2, 1, 4]), greedy_logits([5, 1, 4, 6]))
+    assert result.tokens == [5]
+    assert result.num_accepted == 0
+    assert result.rejection_pos == 0
+
+
+def test_greedy_mismatch_in_the_middle_keeps_prefix_then_recovers():
+    result = verify_greedy(torch.tensor([3, 1, 4]), greedy_logits([3, 2, 4, 6]))
+    assert result.tokens == [3, 2]
+    assert result.num_accepted == 1
+    assert result.rejection_pos == 1
+
+
+def test_greedy_empty_draft_is_plain_decoding():
+    result = verify_greedy(torch.empty(0, dtype=torch.long), greedy_logits([6]))
+    assert result.tokens == [6]
+    assert result.num_accepted == 0
+    assert result.rejection_pos is None
+
+
+def test_greedy_eos_inside_accepted_draft_is_cut_there():
+    result = verify_greedy(torch.tensor([3, EOS, 4]), greedy_logits([3, EOS, 4, 6]))
+    assert result.tokens == [3, EOS, 4, 6]  # verify itself knows nothing about EOS
+    tokens, reason = clip_committed(result.tokens, {EOS}, budget=10)
+    assert tokens == [3, EOS]
+    assert reason == "eos"
+
+
+def test_clip_committed_never_exceeds_budget():
+    assert clip_committed([1, 2, 3, 4], {EOS}, budget=2) == ([1, 2], "length")
+    assert clip_committed([1, 2], {EOS}, budget=2) == ([1, 2], "length")
+    assert clip_committed([1, 2], {EOS}, budget=5) == ([1, 2], None)
+
+
+def test_clip_committed_eos_at_the_budget_edge_reports_eos():
+    assert clip_committed([1, EOS, 3], {EOS}, budget=2) == ([1, EOS], "eos")
+
+
+# -- sampling: single cases -----------------------------------------------------------------------
+
+
+def test_sampling_empty_draft_samples_from_p0():
+    p = torch.zeros(1, VOCAB)
+    p[0, 4] = 1.0
+    result = verify_sampling(torch.empty(0, dtype=torch.long), None, p, torch.Generator())
+    assert result.tokens == [4]
+    assert result.rejection_pos is None
+
+
+def test_sampling_draft_with_zero_target_probability_is_always_rejected():
+    p = torch.full((2, VOCAB), 1.0 / (VOCAB - 1))
+    p[0, 3] = 0.0
+    q = torch.zeros(1, VOCAB)
+    q[0, 3] = 1.0
+    for seed in range(20):
+        result = verify_sampling(torch.tensor([3]), q, p, torch.Generator().manual_seed(seed))
+        assert result.rejection_pos == 0
+        assert result.tokens[0] != 3
+
+
+def test_sampling_draft_that_equals_target_is_always_accepted():
+    p = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0)), -1)
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        draft = torch.multinomial(p[:3], 1, generator=gen).squeeze(-1)
+        result = verify_sampling(draft, p[:3], p, gen)
+        assert result.num_accepted == 3
+        assert len(result.tokens) == 4
+
+
+def test_residual_without_mass_falls_back_to_p():
+    p_row = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    assert torch.equal(residual_distribution(p_row, p_row.clone()), p_row)
+
+
+def test_residual_is_normalised_positive_part():
+    p_row = torch.tensor([0.6, 0.2, 0.2, 0.0])
+    q_row = torch.tensor([0.2, 0.4, 0.2, 0.2])
+    assert torch.allclose(residual_distribution(p_row, q_row), torch.tensor([1.0, 0, 0, 0]))
+
+
+def test_sampling_same_seed_same_tokens():
+    p = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1)), -1)
+    q = torch.softmax(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2)), -1)
+    draft = torch.tensor([1, 2, 3])
+    runs = [
+        [verify_sampling(draft, q, p, g).tokens for _ in range(30)]
+        for g in (torch.Generator().manual_seed(7), torch.Generator().manual_seed(7))
+    ]
+    assert runs[0] == runs[1]
+
+
+# -- sampling: the output follows the target distribution -----------------------------------------
+#
+# Each position j has a fixed target distribution P[j] and draft distribution Q[j] (a "model"
+# whose next-token distribution does not depend on the context), so sequences sampled through
+# speculative steps must have the product distribution P[0] x P[1] x P[2]. The check compares the
+# empirical joint distribution over all VOCAB_S ** LENGTH sequences with it in total variation.
+
+VOCAB_S = 4
+LENGTH = 3
+SAMPLES = 20_000
+# With 64 cells and 20k samples the expected TV of a correct sampler is about 0.02 (sum over
+# cells of sqrt(2 p (1 - p) / (pi N)) / 2); 0.04 leaves room, the wrong samplers give >= 0.1.
+TV_BOUND = 0.04
+P = torch.tensor(
+    [[0.50, 0.30, 0.15, 0.05], [0.10, 0.20, 0.30, 0.40], [0.25, 0.25, 0.25, 0.25]]
+)  # [LENGTH, VOCAB_S]
+Q = torch.tensor(
+    [[0.25, 0.25, 0.25, 0.25], [0.40, 0.30, 0.20, 0.10], [0.70, 0.10, 0.10, 0.10]]
+)  # [LENGTH, VOCAB_S]
+
+
+def sample_sequences(sampler, seed: int = 0) -> torch.Tensor:
+    """Counts [VOCAB_S ** LENGTH] of sequences made by draft-then-verify steps with `sampler`."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(VOCAB_S**LENGTH)
+    for _ in range(SAMPLES):
+        out: list[int] = []
+        while len(out) < LENGTH:
+            pos = len(out)
+            k = LENGTH - 1 - pos  # draft every remaining position; the bonus covers the last
+            q = Q[pos : pos + k]  # [k, VOCAB_S]
+            draft = (
+                torch.multinomial(q, 1, generator=gen).squeeze(-1)
+                if k
+                else torch.empty(0, dtype=torch.long)
+            )
+            out += sampler(draft, q, P[pos : pos + k + 1], gen).tokens
+        index = 0
+        for token in out[:LENGTH]:
+            index = index * VOCAB_S + token
+        counts[index] += 1
+    return counts
+
+
+def target_joint() -> torch.Tensor:
+    joint = P[0]
+    for j in range(1, LENGTH):
+        joint = torch.outer(joint, P[j]).flatten()
+    return joint  # [VOCAB_S ** LENGTH]
+
+
+def total_variation(counts: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - target_joint()).abs().sum().item()
+
+
+def accept_always(draft, q, p, gen):
+    """Wrong: keeps every draft token, so the output follows q."""
+    tokens = draft.tolist() + [int(torch.multinomial(p[-1], 1, generator=gen))]
+    return VerifyResult(tokens, len(draft), None)
+
+
+def inverted_ratio(draft, q, p, gen):
+    """Wrong: accepts with min(1, q/p) instead of min(1, p/q) (p and q swapped, as the other
+    naming convention in gpt-fast and transformers makes easy to do)."""
+    swapped = torch.cat([q, p[-1:]])  # the acceptance test now reads q where p belongs
+    return verify_sampling(draft, p[:-1], swapped, gen)
+
+
+def resample_from_p(draft, q, p, gen):
+    """Wrong: on rejection draws from p instead of the residual max(0, p - q)."""
+    result = verify_sampling(draft, q, p, gen)
+    if result.rejection_pos is not None:
+        n = result.rejection_pos
+        result.tokens[n] = int(torch.multinomial(p[n], 1, generator=gen))
+    return result
+
+
+def test_speculative_sampling_follows_target_distribution():
+    assert total_variation(sample_sequences(verify_sampling)) < TV_BOUND
+
+
+def test_distribution_check_rejects_wrong_samplers():
+    # The same check must fail for biased samplers, or passing it would prove nothing.
+    for wrong in (accept_always, inverted_ratio, resample_from_p):
+        tv = total_variation(sample_sequences(wrong, seed=1))
+        assert tv > TV_BOUND, f"{wrong.__name__} passed the check (tv={tv:.3f})"
