@@ -40,6 +40,17 @@ class ServerConfig(BaseModel):
     idle_timeout_s: float = Field(60.0, gt=0)
 
 
+class AgentConfig(BaseModel):
+    """What the bot is: its instructions for the LLM."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    system_prompt: str = (
+        "You are a friendly, concise voice assistant on a phone call. "
+        "Answer in one or two short sentences."
+    )
+
+
 class PathsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -55,6 +66,7 @@ class Config(BaseModel):
     tts: TTSConfig = Field(default_factory=TTSConfig)
     vad: VADConfig = Field(default_factory=VADConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
 
 

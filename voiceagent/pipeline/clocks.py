@@ -1,0 +1,230 @@
+"""The three clocks of seed 001, measured per turn by a pipecat observer.
+
+1. request -> first token: the LLM service receives the context -> its first LLMTextFrame.
+2. inter-token latency: the engine's per-token times (p50/p95/p99 of one turn).
+3. turn end -> first audio: when the user actually stopped (VAD stop minus its stop_secs
+   hangover, as pipecat's UserBotLatencyObserver does) -> BotStartedSpeakingFrame, which the
+   output transport pushes when it writes the first bot audio.
+
+All times are the pipeline clock of `FramePushed.timestamp` (ns since the task started), so the
+observer's own scheduling delay never enters a measurement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
+    InterruptionFrame,
+    LLMContextFrame,
+    LLMTextFrame,
+    MetricsFrame,
+    TranscriptionFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSTextFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.observers.base_observer import BaseObserver, FramePushed
+from pipecat.services.llm_service import LLMService
+from pipecat.services.tts_service import TTSService
+from pipecat.transports.base_output import BaseOutputTransport
+
+from voiceagent.pipeline.metrics import ASRFinalMetricsData, EngineStatsMetricsData
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None}
+    p50, p95, p99 = np.percentile(np.asarray(values, dtype=float), [50, 95, 99])
+    return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
+
+
+@dataclass
+class TurnRecord:
+    """One user turn and the bot's reply, with the clocks and where the time went."""
+
+    call_id: str
+    turn: int
+    started_at: float  # wall-clock seconds (time.time) when the user started speaking
+    user_text: str
+    bot_text: str  # what the caller heard: the TTS words the transport played
+    llm_text: str  # everything the LLM generated (more than bot_text when interrupted)
+    interrupted: bool
+    clocks: dict  # request_to_first_token_ms, itl_ms {p50,p95,p99}, turn_end_to_first_audio_ms
+    breakdown: dict  # vad_hangover_ms, asr_final_ms, prefill_ms, first_token_ms, ...
+    engine: dict  # the engine's RequestStats for this turn's request
+    barge_in_to_silence_ms: float | None = None  # InterruptionFrame -> BotStoppedSpeakingFrame
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Turn:
+    started_ns: int
+    started_wall: float
+    user_text: list[str] = field(default_factory=list)
+    vad_stop_ns: int | None = None
+    hangover_s: float = 0.0
+    transcript_ns: int | None = None
+    asr_final_ms: float | None = None
+    request_ns: int | None = None
+    first_token_ns: int | None = None
+    llm_text: list[str] = field(default_factory=list)
+    tts_started_ns: int | None = None
+    tts_first_chunk_ns: int | None = None
+    first_audio_ns: int | None = None
+    spoken: list[str] = field(default_factory=list)
+    engine: dict = field(default_factory=dict)
+    interrupted_ns: int | None = None
+    audio_stopped_ns: int | None = None
+    speaking: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """The LLM finished and the bot's audio has stopped."""
+        return bool(self.engine) and not self.speaking and (
+            self.first_audio_ns is not None or self.interrupted_ns is not None
+        )
+
+    @property
+    def turn_end_ns(self) -> int | None:
+        if self.vad_stop_ns is None:
+            return None
+        return self.vad_stop_ns - int(self.hangover_s * 1e9)
+
+
+def _ms(a: int | None, b: int | None) -> float | None:
+    return None if a is None or b is None else (b - a) / 1e6
+
+
+class ClocksObserver(BaseObserver):
+    """Watches a call's frames and emits a TurnRecord per answered turn to `on_turn`.
+
+    A barge-in starts the next turn while the previous reply is still being cut off, so the
+    previous turn stays open ("answering") until its audio stops, and the frames of the reply
+    (text, TTS, interruption, engine stats) go to whichever turn is answering.
+    """
+
+    def __init__(self, call_id: str, on_turn: Callable[[TurnRecord], None], **kwargs):
+        super().__init__(**kwargs)
+        self.call_id = call_id
+        self._on_turn = on_turn
+        self._listening: _Turn | None = None  # the user is speaking; no request yet
+        self._answering: _Turn | None = None  # the request went out; the bot replies
+        self._count = 0
+
+    async def on_push_frame(self, data: FramePushed) -> None:
+        frame, src, ts = data.frame, data.source, data.timestamp
+        if isinstance(frame, LLMContextFrame):
+            if isinstance(data.destination, LLMService):
+                self._request(ts)
+            return
+        if not data.first_push:
+            return
+        if isinstance(frame, VADUserStartedSpeakingFrame):
+            if self._listening is None:
+                self._listening = _Turn(started_ns=ts, started_wall=time.time())
+        elif isinstance(frame, VADUserStoppedSpeakingFrame) and self._listening:
+            self._listening.vad_stop_ns, self._listening.hangover_s = ts, frame.stop_secs
+        elif isinstance(frame, TranscriptionFrame) and self._listening:
+            self._listening.user_text.append(frame.text.strip())
+            self._listening.transcript_ns = ts
+        elif isinstance(frame, MetricsFrame):
+            self._metrics(frame)
+        elif self._answering is not None:
+            self._reply_frame(self._answering, frame, src, ts)
+
+    def _request(self, ts: int) -> None:
+        turn = self._listening
+        if turn is None:  # a context without a new user turn (e.g. a re-run): keep answering
+            if self._answering is not None:
+                self._answering.request_ns = ts
+            return
+        if self._answering is not None:
+            self._emit(self._answering)
+        turn.request_ns = ts
+        self._answering, self._listening = turn, None
+
+    def _reply_frame(self, turn: _Turn, frame, src, ts: int) -> None:
+        if isinstance(frame, LLMTextFrame) and isinstance(src, LLMService):
+            turn.first_token_ns = turn.first_token_ns or ts
+            turn.llm_text.append(frame.text)
+        elif isinstance(frame, TTSStartedFrame) and isinstance(src, TTSService):
+            turn.tts_started_ns = turn.tts_started_ns or ts
+        elif isinstance(frame, TTSAudioRawFrame) and isinstance(src, TTSService):
+            turn.tts_first_chunk_ns = turn.tts_first_chunk_ns or ts
+        elif isinstance(frame, TTSTextFrame) and isinstance(src, BaseOutputTransport):
+            turn.spoken.append(frame.text)
+        elif isinstance(frame, BotStartedSpeakingFrame) and isinstance(src, BaseOutputTransport):
+            turn.speaking = True
+            turn.first_audio_ns = turn.first_audio_ns or ts
+        elif isinstance(frame, BotStoppedSpeakingFrame) and isinstance(src, BaseOutputTransport):
+            turn.speaking = False
+            if turn.interrupted_ns is not None and turn.audio_stopped_ns is None:
+                turn.audio_stopped_ns = ts
+            self._emit_if_complete()
+        elif isinstance(frame, InterruptionFrame) and turn.interrupted_ns is None:
+            if not turn.complete:
+                turn.interrupted_ns = ts
+
+    def _metrics(self, frame: MetricsFrame) -> None:
+        for item in frame.data:
+            if isinstance(item, EngineStatsMetricsData) and self._answering is not None:
+                self._answering.engine = dict(
+                    item.stats, request_id=item.request_id, interrupted=item.interrupted
+                )
+                self._emit_if_complete()
+            elif isinstance(item, ASRFinalMetricsData):
+                target = self._listening or self._answering
+                if target is not None:
+                    target.asr_final_ms = item.final_ms
+
+    def _emit_if_complete(self) -> None:
+        if self._answering is not None and self._answering.complete:
+            self._emit(self._answering)
+            self._answering = None
+
+    def flush(self) -> None:
+        """Emit the turn being answered (the call ended)."""
+        if self._answering is not None:
+            self._emit(self._answering)
+            self._answering = None
+
+    def _emit(self, turn: _Turn) -> None:
+        self._count += 1
+        engine = turn.engine
+        record = TurnRecord(
+            call_id=self.call_id,
+            turn=self._count,
+            started_at=turn.started_wall,
+            user_text=" ".join(t for t in turn.user_text if t),
+            bot_text=" ".join(w.strip() for w in turn.spoken if w.strip()),
+            llm_text="".join(turn.llm_text),
+            interrupted=turn.interrupted_ns is not None,
+            clocks={
+                "request_to_first_token_ms": _ms(turn.request_ns, turn.first_token_ns),
+                "itl_ms": percentiles(engine.get("itl_ms") or []),
+                "turn_end_to_first_audio_ms": _ms(turn.turn_end_ns, turn.first_audio_ns),
+            },
+            breakdown={
+                "vad_hangover_ms": turn.hangover_s * 1000 if turn.vad_stop_ns else None,
+                "asr_final_ms": turn.asr_final_ms,
+                "transcript_to_request_ms": _ms(turn.transcript_ns, turn.request_ns),
+                "prefill_ms": engine.get("prefill_ms"),
+                "first_token_ms": _ms(turn.request_ns, turn.first_token_ns),
+                "first_clause_ms": _ms(turn.first_token_ns, turn.tts_started_ns),
+                "tts_first_chunk_ms": _ms(turn.tts_started_ns, turn.tts_first_chunk_ns),
+                "chunk_to_audio_ms": _ms(turn.tts_first_chunk_ns, turn.first_audio_ns),
+            },
+            engine=engine,
+            barge_in_to_silence_ms=_ms(turn.interrupted_ns, turn.audio_stopped_ns),
+        )
+        self._on_turn(record)

@@ -1,0 +1,28 @@
+"""Our measurements as pipecat metrics, so they travel in `MetricsFrame`s like pipecat's own.
+
+The clocks observer (voiceagent.pipeline.clocks) reads them; nothing important lives only in a log.
+"""
+
+from __future__ import annotations
+
+from pipecat.metrics.metrics import MetricsData
+
+
+class EngineStatsMetricsData(MetricsData):
+    """One LLM request's engine statistics (llm_engine.stats.RequestStats.to_dict()).
+
+    Pushed by SpeculativeLLMService when a request ends, interrupted or not.
+    """
+
+    request_id: str
+    interrupted: bool
+    finish_reason: str
+    stats: dict
+
+
+class ASRFinalMetricsData(MetricsData):
+    """How long the final transcript took after the turn ended (VAD stop), and how it was made."""
+
+    final_ms: float  # VAD stop -> final transcript pushed
+    audio_ms: float  # length of the utterance transcribed
+    reused_interim: bool  # the last interim already covered the speech, so it became the final

@@ -1,0 +1,140 @@
+"""A pipecat transport for simulated calls: caller audio from memory, bot audio onto a timeline.
+
+Input pushes the caller's audio in 20 ms frames, at real-time pace like a phone line, then
+keeps the line open with silence until the call is hung up. Output behaves like an audio device:
+each write is placed on the call's timeline at the moment it plays and takes its duration in
+real time, so an interruption cuts the bot's audio where a caller would stop hearing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+from pipecat.frames.frames import InputAudioRawFrame, OutputAudioRawFrame, StartFrame
+from pipecat.transports.base_input import BaseInputTransport
+from pipecat.transports.base_output import BaseOutputTransport
+from pipecat.transports.base_transport import BaseTransport, TransportParams
+
+FRAME_S = 0.02
+
+
+class CallClock:
+    """The call's timeline: t = 0 when the caller's first frame is sent."""
+
+    def __init__(self) -> None:
+        self.t0: float | None = None
+
+    def now(self) -> float:
+        return 0.0 if self.t0 is None else time.monotonic() - self.t0
+
+
+class WavCallInput(BaseInputTransport):
+    def __init__(
+        self, audio: np.ndarray, sample_rate: int, clock: CallClock, params: TransportParams,
+        realtime: bool = True,
+    ):
+        super().__init__(params)
+        assert audio.ndim == 1 and audio.dtype == np.int16
+        self._audio, self._rate, self._clock, self._realtime = audio, sample_rate, clock, realtime
+        self._feeder: asyncio.Task | None = None
+        self.audio_done = asyncio.Event()  # every caller sample has been sent
+
+    async def start(self, frame: StartFrame) -> None:
+        await super().start(frame)
+        await self.set_transport_ready(frame)
+        if self._feeder is None:
+            self._feeder = self.create_task(self._feed(), name="wav-call-feeder")
+
+    async def stop(self, frame) -> None:
+        await self._stop_feeder()
+        await super().stop(frame)
+
+    async def cancel(self, frame) -> None:
+        await self._stop_feeder()
+        await super().cancel(frame)
+
+    async def _stop_feeder(self) -> None:
+        if self._feeder is not None:
+            await self.cancel_task(self._feeder)
+            self._feeder = None
+
+    async def _feed(self) -> None:
+        n = int(self._rate * FRAME_S)
+        silence = bytes(2 * n)
+        self._clock.t0 = time.monotonic()
+        i = 0
+        while True:  # after the audio, the line stays open with silence until hang-up
+            chunk = self._audio[i * n : (i + 1) * n]
+            if len(chunk) < n and not self.audio_done.is_set():
+                if len(chunk):
+                    chunk = np.pad(chunk, (0, n - len(chunk)))
+                else:
+                    self.audio_done.set()
+            data = chunk.tobytes() if len(chunk) else silence
+            await self.push_audio_frame(
+                InputAudioRawFrame(audio=data, sample_rate=self._rate, num_channels=1)
+            )
+            i += 1
+            if self._realtime:
+                await asyncio.sleep(max(0.0, self._clock.t0 + i * FRAME_S - time.monotonic()))
+            else:
+                await asyncio.sleep(0)
+
+
+class WavCallOutput(BaseOutputTransport):
+    def __init__(self, clock: CallClock, params: TransportParams, realtime: bool = True):
+        super().__init__(params)
+        self._clock, self._realtime = clock, realtime
+        self._playhead = 0.0  # call time when the audio written so far ends
+        self.chunks: list[tuple[float, bytes]] = []  # (call time it started playing, pcm16)
+
+    async def start(self, frame: StartFrame) -> None:
+        await super().start(frame)
+        await self.set_transport_ready(frame)
+
+    async def write_audio_frame(self, frame: OutputAudioRawFrame) -> bool:
+        at = max(self._clock.now(), self._playhead)
+        self.chunks.append((at, frame.audio))
+        self._playhead = at + len(frame.audio) / (2 * frame.num_channels * frame.sample_rate)
+        if self._realtime:  # like a device: return once this chunk is (about to be) played
+            await asyncio.sleep(max(0.0, at - self._clock.now()))
+        return True
+
+    def timeline(self, seconds: float) -> np.ndarray:
+        """The bot's audio as int16 on the call's timeline, `seconds` long."""
+        rate = self.sample_rate
+        out = np.zeros(int(seconds * rate) + 1, dtype=np.int16)
+        for at, pcm in self.chunks:
+            samples = np.frombuffer(pcm, dtype=np.int16)
+            start = int(at * rate)
+            end = min(len(out), start + len(samples))
+            if start < end:
+                out[start:end] = samples[: end - start]
+        return out
+
+
+class WavCallTransport(BaseTransport):
+    """A simulated phone line for `voiceagent call`."""
+
+    def __init__(
+        self, audio: np.ndarray, sample_rate: int, out_sample_rate: int, realtime: bool = True
+    ):
+        super().__init__()
+        self.clock = CallClock()
+        params = TransportParams(
+            audio_in_enabled=True,
+            audio_in_sample_rate=sample_rate,
+            audio_out_enabled=True,
+            audio_out_sample_rate=out_sample_rate,
+        )
+        self._input = WavCallInput(audio, sample_rate, self.clock, params, realtime)
+        self._output = WavCallOutput(self.clock, params, realtime)
+
+    def input(self) -> WavCallInput:
+        return self._input
+
+    def output(self) -> WavCallOutput:
+        return self._output
+
