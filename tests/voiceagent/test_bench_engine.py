@@ -1,0 +1,238 @@
+"""`voiceagent bench engine`: the pure aggregation on hand-made numbers, and the harness end to end
+on tiny random models (no model loading, no downloads)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.engine import SpeculativeEngine
+from tests.llm_engine.tiny_models import make_model, make_tokenizer
+from voiceagent.bench_engine import (
+    BenchSettings,
+    PromptSet,
+    build_report,
+    load_prompt_set,
+    report_header,
+    run_bench,
+    settings_from_args,
+    write_results,
+)
+from voiceagent.bench_report import (
+    RunRecord,
+    first_difference,
+    geomean,
+    lossless_check,
+    paired_geomean,
+    percentile,
+    render_markdown,
+    summarise,
+)
+from voiceagent.cli import main
+from voiceagent.config import load_config
+
+
+def record(mode="off", times=(100.0, 150.0, 200.0), tokens=None, prompt=0, segment="s",
+           temperature=0.0, **extra) -> RunRecord:
+    times = list(times)
+    return RunRecord(
+        mode=mode, engine=not mode.startswith("hf_"), segment=segment, prompt_index=prompt,
+        repeat=0, temperature=temperature, prompt_tokens=5,
+        token_ids=list(tokens) if tokens is not None else list(range(len(times))),
+        token_times_ms=times, **extra,
+    )
+
+
+# -- pure aggregation ---------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_linearly_like_numpy():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 0) == 1.0
+    assert percentile(xs, 50) == 2.5
+    assert percentile(xs, 100) == 4.0
+    assert percentile(range(1, 102), 95) == pytest.approx(96.0)
+    assert percentile([], 50) is None
+
+
+def test_geomean_of_reciprocal_ratios_is_one():
+    assert geomean([2.0, 0.5]) == pytest.approx(1.0)
+    assert geomean([1.0, 4.0]) == pytest.approx(2.0)
+    assert geomean([]) is None
+    with pytest.raises(ValueError):
+        geomean([1.0, 0.0])
+
+
+def test_run_rates_split_first_token_from_decode():
+    r = record(times=[100.0, 150.0, 150.0, 200.0])  # the middle two came in one step
+    assert r.ttft_ms == 100.0
+    assert r.itl_ms == [50.0, 0.0, 50.0]
+    assert r.decode_tok_s == pytest.approx(3 * 1000 / 100)  # 3 tokens after the first in 100 ms
+    assert r.e2e_tok_s == pytest.approx(4 * 1000 / 200)
+    assert record(times=[100.0]).decode_tok_s is None
+
+
+def test_ratios_are_paired_per_prompt_then_geometric_mean():
+    records = [
+        record("off", [0.0, 100.0], prompt=0),  # 10 tok/s
+        record("ngram", [0.0, 50.0], prompt=0),  # 20 tok/s: 2x
+        record("off", [0.0, 50.0], prompt=1),  # 20 tok/s
+        record("ngram", [0.0, 100.0], prompt=1),  # 10 tok/s: 0.5x
+        record("ngram", [0.0, 10.0], prompt=2),  # no `off` run to pair with: ignored
+    ]
+    assert paired_geomean(records, "ngram", "off") == pytest.approx(1.0)
+    (_, cell) = summarise(records, ["off", "ngram"])["cells"]
+    assert cell["ratio_vs_off_range"] == pytest.approx([0.5, 2.0])
+
+
+def test_first_difference_counts_a_length_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_lossless_check_compares_greedy_runs_with_off_only():
+    records = [
+        record("off", tokens=[5, 6, 7]),
+        record("ngram", tokens=[5, 6, 7]),
+        record("draft", tokens=[5, 6, 8]),
+        record("hf_plain", tokens=[5, 9, 9]),
+        record("off", tokens=[1, 2, 3], temperature=0.8),
+        record("ngram", tokens=[4, 4, 4], temperature=0.8),  # sampled: not compared
+    ]
+    result = lossless_check(records)
+    assert result["ngram"] == {"checked": True, "compared": 1, "mismatches": 0, "first_diff": []}
+    assert result["draft"]["mismatches"] == 1 and result["draft"]["first_diff"][0]["at"] == 2
+    assert result["hf_plain"]["checked"] is False and result["hf_plain"]["mismatches"] == 1
+
+
+def test_cell_pools_acceptance_steps_and_step_times():
+    runs = [
+        record("ngram", [10.0, 20.0, 20.0, 30.0], forwards=3, steps=2, speculative_steps=2,
+               accepted=1,
+               drafted_by_pos=[2, 1], accepted_by_pos=[1, 0], draft_ms=1.0, verify_ms=19.0),
+        record("ngram", [10.0, 20.0, 30.0], forwards=3, steps=2, speculative_steps=1, accepted=0,
+               drafted_by_pos=[1], accepted_by_pos=[0], draft_ms=1.0, verify_ms=19.0,
+               gated_off=True),
+    ]
+    (cell,) = summarise(runs, ["ngram"])["cells"]
+    assert cell["tokens_per_forward"] == pytest.approx(7 / 6)
+    assert cell["accepted_per_step"] == pytest.approx(1 / 3)
+    assert cell["acceptance_by_pos"] == pytest.approx([1 / 3, 0.0])
+    assert cell["draft_ms_per_step"] == pytest.approx(0.5)
+    assert cell["verify_ms_per_step"] == pytest.approx(9.5)
+    assert cell["gated_off_runs"] == 1
+    assert cell["decode_tok_s"] == pytest.approx(5 * 1000 / 40)
+
+
+def test_ratio_b_picks_the_best_speculative_mode_per_segment():
+    records = [
+        record("off", [0.0, 100.0], segment="chat"),
+        record("ngram", [0.0, 125.0], segment="chat"),  # 0.8x
+        record("draft", [0.0, 80.0], segment="chat"),  # 1.25x
+        record("off", [0.0, 100.0], segment="echo"),
+        record("ngram", [0.0, 50.0], segment="echo"),  # 2x
+        record("draft", [0.0, 100.0], segment="echo"),  # 1x
+    ]
+    b = summarise(records, ["off", "ngram", "draft"])["ratios"]["b_best_speculative_vs_off_t0"]
+    assert b["chat"]["best_mode"] == "draft" and b["chat"]["best"] == pytest.approx(1.25)
+    assert b["echo"]["best_mode"] == "ngram" and b["echo"]["best"] == pytest.approx(2.0)
+
+
+def test_markdown_has_one_table_per_temperature_and_the_ratios():
+    records = [
+        record("off", [0.0, 100.0]), record("hf_plain", [0.0, 200.0]),
+        record("off", [0.0, 100.0], temperature=0.8),
+        record("hf_plain", [0.0, 100.0], temperature=0.8),
+    ]
+    text = render_markdown(summarise(records, ["off", "hf_plain"]), ["- header line"])
+    assert "## Temperature 0\n" in text and "## Temperature 0.8\n" in text
+    assert "| s | hf_plain | 2 | 5.0 |" in text
+    assert "(a) engine off ÷ HF generate() plain, T=0: s 2.00, all 2.00" in text
+    assert "| hf_plain | informative | 1 | 0 | – |" in text
+
+
+# -- settings and the command line --------------------------------------------------------------
+
+
+def bench_args(**kw):
+    base = dict(modes=None, temperatures=None, max_new_tokens=None, repeats=1, segments=None,
+                seed=0, hf_lookup_tokens=10, no_hf=False, quick=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_quick_fills_only_what_the_flags_leave_unset():
+    cfg = load_config()
+    s = settings_from_args(bench_args(quick=True), cfg)
+    assert (s.temperatures, s.max_new_tokens, s.prompts_per_segment) == ([0.0], 32, 1)
+    s = settings_from_args(bench_args(quick=True, max_new_tokens=8, modes="ngram"), cfg)
+    assert s.max_new_tokens == 8 and s.modes == ["off", "ngram"]  # off: always the reference
+
+
+def test_draft_mode_without_a_draft_model_is_refused_before_loading(capsys):
+    assert main(["bench", "engine", "--modes", "off,draft"]) == 2
+    assert "needs a draft model" in capsys.readouterr().err
+
+
+def test_the_shipped_prompt_set_covers_the_five_segments():
+    prompts = load_prompt_set()
+    assert prompts.version == 1
+    assert set(prompts.segments) == {
+        "short_factual", "long_explanation", "customer_service", "json_tool_call",
+        "repeated_context",
+    }
+
+
+# -- the harness end to end on tiny models ------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny models gain nothing from a second thread, and on a shared 2-core machine an OpenMP
+    # barrier waiting on a busy core made each forward ~100x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_harness_runs_every_mode_and_segment_and_greedy_modes_match_off(tmp_path, one_thread):
+    tokenizer = make_tokenizer()
+    target = make_model(len(tokenizer), seed=0)
+    draft = make_model(len(tokenizer), seed=1, layers=1, hidden=32)
+    config = EngineConfig(
+        speculation=SpeculationConfig(method="ngram"), sampling=SamplingConfig(max_new_tokens=12)
+    )
+    engine = SpeculativeEngine(target, tokenizer, config, draft_model=draft)
+    prompt_set = PromptSet(
+        version=0, system="Be brief.", path="inline", sha256="-",
+        segments={
+            "chat": ["Hello, how can I help you today?", "Thank you for calling."],
+            "echo": ["The moon orbits the earth every 27 days. The moon orbits the earth"],
+        },
+    )
+    settings = BenchSettings(modes=["off", "ngram", "draft"], temperatures=[0.0, 0.8],
+                             max_new_tokens=12, warmup_tokens=2)
+    lines = []
+    records, modes = run_bench(engine, tokenizer, prompt_set, settings, hf_model=target,
+                               hf_draft=draft, progress=lines.append)
+    assert modes == ["off", "ngram", "draft", "hf_plain", "hf_prompt_lookup", "hf_assisted"]
+    assert len(records) == len(modes) * 3 * 2
+    assert len(lines) == 1 + 3 * 2  # warm-up, then one line per prompt and temperature
+
+    report = build_report(records, modes, settings, prompt_set, engine)
+    json_path, md_path = write_results(
+        report, render_markdown(report["summary"], report_header(report)), tmp_path
+    )
+    data = json.loads(json_path.read_text())
+    cells = {(c["temperature"], c["segment"], c["mode"]) for c in data["summary"]["cells"]}
+    assert cells == {(t, s, m) for t in (0.0, 0.8) for s in ("chat", "echo") for m in modes}
+    for mode in ("ngram", "draft"):
+        assert data["summary"]["lossless"][mode]["compared"] == 3
+        assert data["summary"]["lossless"][mode]["mismatches"] == 0
+    assert data["machine"]["torch_threads"] >= 1
+    assert "| echo | hf_assisted |" in md_path.read_text()

@@ -1,0 +1,418 @@
+"""`voiceagent bench engine`: our engine's modes against Hugging Face `generate()`, side by side.
+
+The synchronous engine is driven directly (start / step / release on this thread), which is its
+cost without the asyncio bridge. The baselines run through `generate()` on the same loaded target:
+plain, `prompt_lookup_num_tokens` (Saxena 2023) and `assistant_model` (Leviathan et al. 2023) when a
+draft is loaded: what a user would pick instead. The machine is noisy, so every mode runs on each
+prompt before the next prompt starts, in an order rotated per prompt, and ratios are taken per
+prompt pair (`voiceagent.bench_report`). Seeded sampling uses the same seed in every mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import transformers
+import yaml
+from transformers.generation.streamers import BaseStreamer
+
+from llm_engine.config import SamplingConfig
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.prompts import encode_chat
+from llm_engine.proposers import proposer_names
+from llm_engine.sampling import is_greedy
+from voiceagent.bench_report import REFERENCE, RunRecord, render_markdown, summarise
+from voiceagent.config import REPO_ROOT, Config
+
+DEFAULT_PROMPTS = REPO_ROOT / "configs" / "prompts" / "engine_bench_v1.yaml"
+HF_MODES = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
+
+
+@dataclass
+class PromptSet:
+    version: int
+    system: str
+    segments: dict[str, list[str]]
+    path: str
+    sha256: str
+
+
+def load_prompt_set(path: str | Path = DEFAULT_PROMPTS) -> PromptSet:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"prompt set not found: {path}") from None
+    data = yaml.safe_load(raw) or {}
+    segments = data.get("segments")
+    if not isinstance(segments, dict) or not all(
+        isinstance(v, list) and v and all(isinstance(p, str) for p in v) for v in segments.values()
+    ):
+        raise ValueError(f"{path}: 'segments' must map segment names to lists of prompts")
+    return PromptSet(
+        version=int(data.get("version", 0)),
+        system=str(data.get("system") or ""),
+        segments={str(k): list(v) for k, v in segments.items()},
+        path=str(path),
+        sha256=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+@dataclass
+class BenchSettings:
+    modes: list[str]  # engine modes, `off` first; HF modes are added when `hf` is on
+    hf: bool = True
+    temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.8])
+    max_new_tokens: int = 64
+    repeats: int = 1
+    segments: list[str] | None = None  # None: every segment of the prompt set
+    prompts_per_segment: int | None = None  # None: all
+    seed: int = 0  # the same for every mode, so sampled runs are reproducible
+    top_k: int = 0
+    top_p: float = 1.0
+    hf_lookup_tokens: int = 10  # HF's documented example value for prompt_lookup_num_tokens
+    warmup_tokens: int = 8
+
+    def sampling(self, temperature: float, max_new_tokens: int | None = None) -> SamplingConfig:
+        return SamplingConfig(
+            temperature=temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+        )
+
+
+# -- the runners: one generation each, measured the same way -------------------------------------
+
+Runner = Callable[[list[int], SamplingConfig], dict]  # -> RunRecord's measured fields
+
+
+def engine_runner(engine: SpeculativeEngine, method: str) -> Runner:
+    def run(prompt_ids: list[int], sampling: SamplingConfig) -> dict:
+        state = engine.start(prompt_ids, sampling, method=method)
+        try:
+            while not state.finished:
+                engine.step(state)
+        finally:
+            engine.release(state)
+        stats = state.stats
+        return {
+            "token_ids": state.output_ids,
+            "token_times_ms": list(stats.token_times_ms),
+            "forwards": len(stats.steps) + int(state.prefilled),
+            "steps": len(stats.steps),
+            "speculative_steps": sum(1 for s in stats.steps if s.drafted),
+            "accepted": stats.accepted,
+            "drafted_by_pos": list(stats.drafted_by_pos),
+            "accepted_by_pos": list(stats.accepted_by_pos),
+            "draft_ms": stats.draft_ms,
+            "verify_ms": stats.verify_ms,
+            "gated_off": stats.gated_off,
+            "finish_reason": stats.finish_reason,
+            "engine_stats": stats.to_dict(),
+        }
+
+    return run
+
+
+class TimingStreamer(BaseStreamer):
+    """Records when `generate()` hands over each batch of new tokens (the prompt put is skipped)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []  # perf_counter per put
+        self.counts: list[int] = []  # tokens in that put (assisted steps put several)
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(now)
+        self.counts.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(model, eos_ids: list[int], pad_id: int, **extra) -> Runner:
+    """`model.generate()` with `extra` (prompt_lookup_num_tokens, assistant_model, ...)."""
+
+    def run(prompt_ids: list[int], sampling: SamplingConfig) -> dict:
+        input_ids = torch.tensor([prompt_ids], device=model.device)  # [1, n]
+        kwargs = {"do_sample": False}
+        if not is_greedy(sampling):
+            kwargs = {"do_sample": True, "temperature": sampling.temperature,
+                      "top_k": sampling.top_k, "top_p": sampling.top_p}
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+        streamer = TimingStreamer()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer,
+                max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_ids,
+                pad_token_id=pad_id, **kwargs, **extra,
+            )
+        times = [
+            (t - t0) * 1000.0
+            for t, n in zip(streamer.times, streamer.counts, strict=True)
+            for _ in range(n)
+        ]
+        token_ids = out[0, len(prompt_ids) :].tolist()
+        return {
+            "token_ids": token_ids,
+            "token_times_ms": times[: len(token_ids)],
+            "forwards": len(streamer.counts),  # generate() puts once per target forward
+            "finish_reason": "eos" if token_ids and token_ids[-1] in eos_ids else "length",
+        }
+
+    return run
+
+
+def make_runners(
+    engine: SpeculativeEngine, settings: BenchSettings, hf_model=None, hf_draft=None
+) -> dict[str, Runner]:
+    """Mode name -> runner, engine modes first, in the order the settings list them."""
+    runners = {mode: engine_runner(engine, mode) for mode in settings.modes}
+    if settings.hf and hf_model is not None:
+        eos = sorted(engine.eos_token_ids)
+        pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
+        pad = eos[0] if pad is None else pad
+        runners["hf_plain"] = hf_runner(hf_model, eos, pad)
+        runners["hf_prompt_lookup"] = hf_runner(
+            hf_model, eos, pad, prompt_lookup_num_tokens=settings.hf_lookup_tokens
+        )
+        if hf_draft is not None:
+            runners["hf_assisted"] = hf_runner(hf_model, eos, pad, assistant_model=hf_draft)
+    return runners
+
+
+# -- the harness --------------------------------------------------------------------------------
+
+
+def select_prompts(prompt_set: PromptSet, settings: BenchSettings) -> dict[str, list[str]]:
+    names = settings.segments or list(prompt_set.segments)
+    unknown = [n for n in names if n not in prompt_set.segments]
+    if unknown:
+        known = ", ".join(prompt_set.segments)
+        raise ValueError(f"unknown segment(s) {', '.join(unknown)}; the prompt set has: {known}")
+    count = settings.prompts_per_segment
+    return {n: prompt_set.segments[n][:count] if count else prompt_set.segments[n] for n in names}
+
+
+def run_bench(
+    engine: SpeculativeEngine,
+    tokenizer,
+    prompt_set: PromptSet,
+    settings: BenchSettings,
+    hf_model=None,
+    hf_draft=None,
+    progress: Callable[[str], None] = lambda msg: None,
+) -> tuple[list[RunRecord], list[str]]:
+    """Every mode on every prompt; returns the run records and the modes in report order."""
+    runners = make_runners(engine, settings, hf_model, hf_draft)
+    modes = list(runners)
+    prompts = {
+        seg: [encode_chat(tokenizer, _messages(prompt_set.system, text)) for text in texts]
+        for seg, texts in select_prompts(prompt_set, settings).items()
+    }
+    first_prompt = next(iter(prompts.values()))[0]
+    for mode in modes:  # one-off costs (allocator, first-call paths) stay out of the figures
+        runners[mode](first_prompt, settings.sampling(0.0, settings.warmup_tokens))
+    progress(f"warmed up {', '.join(modes)}")
+
+    plan = [
+        (temperature, repeat, segment, index, prompt_ids)
+        for temperature in settings.temperatures
+        for repeat in range(settings.repeats)
+        for segment, seg_prompts in prompts.items()
+        for index, prompt_ids in enumerate(seg_prompts)
+    ]
+    records: list[RunRecord] = []
+    for turn, (temperature, repeat, segment, index, prompt_ids) in enumerate(plan):
+        shift = turn % len(modes)  # rotate the order, so no mode always runs first or last
+        done = [
+            RunRecord(
+                mode=mode, engine=mode not in HF_MODES, segment=segment, prompt_index=index,
+                repeat=repeat, temperature=temperature, prompt_tokens=len(prompt_ids),
+                **runners[mode](prompt_ids, settings.sampling(temperature)),
+            )
+            for mode in modes[shift:] + modes[:shift]
+        ]
+        records += done
+        progress(
+            f"[{turn + 1}/{len(plan)}] T={temperature:g} repeat {repeat + 1} {segment} "
+            f"#{index + 1}: "
+            + ", ".join(f"{r.mode} {r.n_tokens} tok {_rate(r.decode_tok_s)}" for r in done)
+        )
+    return records, modes
+
+
+def _messages(system: str, text: str) -> list[dict[str, str]]:
+    head = [{"role": "system", "content": system}] if system else []
+    return [*head, {"role": "user", "content": text}]
+
+
+def _rate(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}/s"
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def machine_info(device) -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "load_avg_1m": os.getloadavg()[0],  # a shared machine: was something else running?
+    }
+
+
+def build_report(
+    records: list[RunRecord],
+    modes: list[str],
+    settings: BenchSettings,
+    prompt_set: PromptSet,
+    engine: SpeculativeEngine,
+    card: dict | None = None,
+    started: datetime | None = None,
+    load_at_start: float | None = None,
+) -> dict:
+    started = started or datetime.now(timezone.utc)
+    machine = machine_info(engine.device)
+    machine["load_avg_1m_at_start"] = load_at_start
+    return {
+        "kind": "voiceagent engine bench",
+        "started_utc": started.isoformat(timespec="seconds"),
+        "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "modes": modes,
+        "settings": dataclasses.asdict(settings),
+        "prompt_set": dataclasses.asdict(prompt_set),
+        "engine_config": dataclasses.asdict(engine.config),
+        "pair_card_hash": card.get("card_hash") if card else None,
+        "pair_card": card,
+        "machine": machine,
+        "summary": summarise(records, modes),
+        "runs": [dataclasses.asdict(r) for r in records],
+    }
+
+
+def report_header(report: dict) -> list[str]:
+    cfg, s, m = report["engine_config"], report["settings"], report["machine"]
+    return [
+        f"- started {report['started_utc']}, target `{cfg['target']}`, draft "
+        f"`{cfg['draft'] or 'none'}`, pair card `{(report['pair_card_hash'] or '–')[:12]}`",
+        f"- {m['device']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"{m['torch_threads']} threads, {m['cpu']}, load average {_load(m)}",
+        f"- prompts v{report['prompt_set']['version']} ({Path(report['prompt_set']['path']).name}),"
+        f" max {s['max_new_tokens']} new tokens, {s['repeats']} repeat(s), seed {s['seed']},"
+        f" top_k {s['top_k']}, top_p {s['top_p']}, HF prompt lookup {s['hf_lookup_tokens']} tokens",
+        f"- modes: {', '.join(report['modes'])}",
+    ]
+
+
+def _load(machine: dict) -> str:
+    start = machine.get("load_avg_1m_at_start")
+    end = f"{machine['load_avg_1m']:.1f}"
+    return end if start is None else f"{start:.1f} at start, {end} at end"
+
+
+def write_results(report: dict, markdown: str, out_dir: str | Path) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.fromisoformat(report["started_utc"]).strftime("%Y%m%dT%H%M%SZ")
+    json_path, md_path = out / f"engine-{stamp}.json", out / f"engine-{stamp}.md"
+    json_path.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    md_path.write_text(markdown)
+    return json_path, md_path
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def settings_from_args(args, cfg: Config) -> BenchSettings:
+    """Flags over the config's sampling; `--quick` fills what the flags leave unset."""
+    if args.modes:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    else:
+        modes = ["off", "ngram"] + (["draft"] if cfg.engine.draft else [])
+    unknown = [m for m in modes if m not in proposer_names()]
+    if unknown:
+        known = ", ".join(proposer_names())
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; known: {known}")
+    if "draft" in modes and not cfg.engine.draft:
+        raise ValueError("mode 'draft' needs a draft model: --set engine.draft=NAME_OR_PATH")
+    modes = [REFERENCE] + [m for m in dict.fromkeys(modes) if m != REFERENCE]  # off: the reference
+    temperatures = (
+        [float(t) for t in args.temperatures.split(",")] if args.temperatures
+        else [0.0] if args.quick else [0.0, 0.8]
+    )
+    sampling = cfg.engine.sampling
+    return BenchSettings(
+        modes=modes,
+        hf=not args.no_hf,
+        temperatures=temperatures,
+        max_new_tokens=args.max_new_tokens or (32 if args.quick else 64),
+        repeats=args.repeats,
+        segments=[s.strip() for s in args.segments.split(",")] if args.segments else None,
+        prompts_per_segment=1 if args.quick else None,
+        seed=args.seed,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        hf_lookup_tokens=args.hf_lookup_tokens,
+    )
+
+
+def run_engine_bench(cfg: Config, args) -> int:
+    from voiceagent.llm_setup import build_runtime
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress on stderr
+    settings = settings_from_args(args, cfg)
+    prompt_set = load_prompt_set(args.prompts)
+    select_prompts(prompt_set, settings)  # refuse unknown segments before loading models
+    if "draft" in settings.modes:
+        cfg.engine.speculation.method = "draft"  # build_runtime loads the draft only for it
+    started, load_at_start = datetime.now(timezone.utc), os.getloadavg()[0]
+    runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say)
+    records, modes = run_bench(
+        runtime.engine, runtime.target.tokenizer, prompt_set, settings,
+        hf_model=runtime.target.model,
+        hf_draft=runtime.draft.model if runtime.draft else None,
+        progress=say,
+    )
+    report = build_report(
+        records, modes, settings, prompt_set, runtime.engine, runtime.card.to_dict(), started,
+        load_at_start,
+    )
+    markdown = render_markdown(report["summary"], report_header(report))
+    json_path, md_path = write_results(report, markdown, args.out)
+    print(markdown)
+    say(f"wrote {json_path} and {md_path}")
+    return 0
