@@ -37,6 +37,7 @@ class ASRConfig:
     language: str = "en"
     beam_size: int = 1
     interim_every_ms: int = 300  # re-transcribe the growing utterance at this cadence
+    preroll_ms: int = 500  # audio kept from before the VAD start (it fires start_secs late)
 
 
 @dataclass
@@ -48,3 +49,4 @@ class TTSConfig:
     voice: str = "piper-joe-medium"
     use_cuda: bool = False
     length_scale: float = 1.0  # >1 speaks slower
+    min_clause_chars: int = 6  # a shorter clause ("Hi,") waits to be spoken with the next one

@@ -13,7 +13,6 @@ from voiceagent.models import ModelNotFound
 # Subcommands whose issue has not landed yet say so plainly.
 PENDING = {
     "serve": "the call server (issue #5)",
-    "call": "the voice pipeline (issue #4)",
 }
 
 
@@ -107,7 +106,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_engine_bench(load_config(args.config, args.overrides), args)
 
 
-COMMANDS = {"doctor": cmd_doctor, "chat": cmd_chat, "bench": cmd_bench}
+def cmd_call(args: argparse.Namespace) -> int:
+    from voiceagent.call import run_call
+
+    return run_call(load_config(args.config, args.overrides), args)
+
+
+COMMANDS = {"call": cmd_call, "doctor": cmd_doctor, "chat": cmd_chat, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

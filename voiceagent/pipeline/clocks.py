@@ -120,6 +120,12 @@ class ClocksObserver(BaseObserver):
         self._listening: _Turn | None = None  # the user is speaking; no request yet
         self._answering: _Turn | None = None  # the request went out; the bot replies
         self._count = 0
+        self._user_speaking = False
+
+    @property
+    def idle(self) -> bool:
+        """Nobody is speaking and no reply is on its way."""
+        return self._answering is None and not self._user_speaking
 
     async def on_push_frame(self, data: FramePushed) -> None:
         frame, src, ts = data.frame, data.source, data.timestamp
@@ -127,12 +133,20 @@ class ClocksObserver(BaseObserver):
             if isinstance(data.destination, LLMService):
                 self._request(ts)
             return
+        if isinstance(frame, TTSTextFrame):  # spoken words: when the transport plays them
+            if isinstance(src, BaseOutputTransport) and self._answering is not None:
+                self._answering.spoken.append(frame.text)
+            return
         if not data.first_push:
             return
         if isinstance(frame, VADUserStartedSpeakingFrame):
+            self._user_speaking = True
             if self._listening is None:
                 self._listening = _Turn(started_ns=ts, started_wall=time.time())
-        elif isinstance(frame, VADUserStoppedSpeakingFrame) and self._listening:
+        elif isinstance(frame, VADUserStoppedSpeakingFrame):
+            self._user_speaking = False
+            if self._listening is None:
+                return
             self._listening.vad_stop_ns, self._listening.hangover_s = ts, frame.stop_secs
         elif isinstance(frame, TranscriptionFrame) and self._listening:
             self._listening.user_text.append(frame.text.strip())
@@ -161,8 +175,6 @@ class ClocksObserver(BaseObserver):
             turn.tts_started_ns = turn.tts_started_ns or ts
         elif isinstance(frame, TTSAudioRawFrame) and isinstance(src, TTSService):
             turn.tts_first_chunk_ns = turn.tts_first_chunk_ns or ts
-        elif isinstance(frame, TTSTextFrame) and isinstance(src, BaseOutputTransport):
-            turn.spoken.append(frame.text)
         elif isinstance(frame, BotStartedSpeakingFrame) and isinstance(src, BaseOutputTransport):
             turn.speaking = True
             turn.first_audio_ns = turn.first_audio_ns or ts

@@ -1,0 +1,131 @@
+"""Streaming transcription of one utterance with faster-whisper, reusing work at turn end.
+
+Whisper is not a streaming model: it transcribes a whole window. The usual way to stream it
+(Macháček et al., "Turning Whisper into Real-Time Transcription System", 2023) is to re-run it on
+the growing audio. Here that gives the interim transcripts while the caller speaks, and it gives
+the final for free when the last interim already heard everything up to the end of speech: the
+VAD only reports the end after its hangover (`stop_secs` of silence), and an interim run during
+that silence covered all the speech there is. Only when it did not is the model run again.
+
+No pipecat here: the caller decides when to call `interim()` and `final()`, and runs them off its
+event loop. `feed` may be called from another thread while `interim` runs: `interim` transcribes
+a snapshot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from audio.config import ASRConfig
+
+SAMPLE_RATE = 16000  # Whisper's input rate
+
+
+@dataclass(frozen=True)
+class Transcript:
+    text: str
+    samples: int  # how much of the utterance (from its start, at 16 kHz) the text covers
+    model_ms: float  # time spent in the model for this result; 0 when reused
+    reused: bool = False  # the final is an earlier interim, the model was not run again
+
+    @property
+    def audio_ms(self) -> float:
+        return self.samples * 1000 / SAMPLE_RATE
+
+
+class StreamingTranscriber:
+    """One utterance at a time: `feed` audio, `interim()` while speaking, `final()` at the end.
+
+    `model` is a faster_whisper.WhisperModel, or anything with its `transcribe` signature.
+    """
+
+    def __init__(self, model, cfg: ASRConfig):
+        self.model = model
+        self.cfg = cfg
+        self.interim_every = cfg.interim_every_ms * SAMPLE_RATE // 1000  # in samples
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the utterance; the next `feed` starts a new one."""
+        with self._lock:
+            self._chunks: list[np.ndarray] = []
+            self._samples = 0
+            self._interim_mark = 0  # samples fed when the last interim took its snapshot
+            self._last: Transcript | None = None
+
+    def feed(self, samples: np.ndarray) -> None:
+        """Append 16 kHz mono int16 audio to the utterance."""
+        assert samples.ndim == 1 and samples.dtype == np.int16, (samples.shape, samples.dtype)
+        with self._lock:
+            self._chunks.append(samples)
+            self._samples += len(samples)
+
+    @property
+    def samples(self) -> int:
+        """Samples fed into this utterance so far."""
+        return self._samples
+
+    @property
+    def last_interim(self) -> Transcript | None:
+        return self._last
+
+    def covers(self, speech_end_offset: int | None = None) -> bool:
+        """Whether the last interim heard all audio up to `speech_end_offset` (None: all fed)."""
+        end = self._samples if speech_end_offset is None else speech_end_offset
+        return self._last is not None and self._last.samples >= end
+
+    def interim_due(self) -> bool:
+        """At least `interim_every_ms` of new audio since the last interim started."""
+        return self._samples - self._interim_mark >= self.interim_every
+
+    def interim(self) -> Transcript:
+        """Transcribe the utterance so far (blocking: run it off the event loop)."""
+        audio = self._snapshot(mark_interim=True)
+        result = self._transcribe(audio)
+        with self._lock:
+            if self._last is None or result.samples >= self._last.samples:
+                self._last = result
+        return result
+
+    def final(self, speech_end_offset: int | None = None) -> Transcript:
+        """The final transcript (blocking). `speech_end_offset`: samples into the utterance
+        where speech ended (the VAD stop minus its hangover); None means all audio fed.
+
+        Returns the last interim, unchanged and without running the model, when it covered all
+        audio up to the end of speech; otherwise transcribes everything once.
+        """
+        last = self._last
+        if last is not None and self.covers(speech_end_offset):
+            return Transcript(last.text, last.samples, model_ms=0.0, reused=True)
+        return self._transcribe(self._snapshot(mark_interim=False))
+
+    def _snapshot(self, mark_interim: bool) -> np.ndarray:
+        with self._lock:
+            audio = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.int16)
+            self._chunks = [audio]
+            if mark_interim:
+                self._interim_mark = len(audio)
+        return audio
+
+    def _transcribe(self, audio: np.ndarray) -> Transcript:
+        t0 = time.perf_counter()
+        text = ""
+        if len(audio):
+            segments, _info = self.model.transcribe(
+                audio.astype(np.float32) / 32768.0,
+                language=self.cfg.language or None,
+                beam_size=self.cfg.beam_size,
+                vad_filter=False,  # the pipeline's VAD already cut the utterance
+                without_timestamps=True,
+                condition_on_previous_text=False,
+                # One decoding pass: the temperature fallback re-decodes up to five times on
+                # "suspicious" output, which on a CPU costs seconds at the worst moment.
+                temperature=0.0,
+            )
+            text = " ".join(s.text.strip() for s in segments).strip()  # decodes lazily here
+        return Transcript(text, len(audio), model_ms=(time.perf_counter() - t0) * 1000)

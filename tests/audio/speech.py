@@ -1,0 +1,30 @@
+"""Test speech, synthesised offline with the embedded Piper joe voice: no audio files committed."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from audio.loaders import load_piper
+from audio.wav import resample
+from voiceagent.models import resolve
+
+
+@lru_cache(maxsize=1)
+def piper_voice():
+    return load_piper(resolve("piper-joe-medium", "tts").location)
+
+
+@lru_cache(maxsize=16)
+def speech(text: str, rate: int = 16000) -> np.ndarray:
+    """`text` spoken by Piper, as mono int16 at `rate`. Don't mutate the (cached) result."""
+    voice = piper_voice()
+    audio = np.concatenate([c.audio_int16_array for c in voice.synthesize(text)])
+    out = resample(audio, voice.config.sample_rate, rate)
+    out.flags.writeable = False
+    return out
+
+
+def silence(seconds: float, rate: int = 16000) -> np.ndarray:
+    return np.zeros(int(seconds * rate), np.int16)

@@ -1,0 +1,94 @@
+import numpy as np
+import pytest
+
+from audio.asr import StreamingTranscriber
+from audio.config import ASRConfig
+from tests.audio.speech import silence, speech
+
+QUESTION = "What is the capital of France?"
+
+
+class CountingModel:
+    """A WhisperModel that counts its transcribe calls."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls = 0
+
+    def transcribe(self, audio, **kwargs):
+        self.calls += 1
+        return self.model.transcribe(audio, **kwargs)
+
+
+@pytest.fixture
+def model(whisper):
+    return CountingModel(whisper)
+
+
+def words(text: str) -> set[str]:
+    return {w.strip(".,?!").lower() for w in text.split()}
+
+
+def test_final_transcript_has_the_spoken_words(model):
+    tr = StreamingTranscriber(model, ASRConfig())
+    tr.feed(silence(0.3))
+    tr.feed(speech(QUESTION))
+    tr.feed(silence(0.5))
+    final = tr.final()
+    assert {"capital", "france"} <= words(final.text)
+    assert not final.reused and model.calls == 1
+
+
+def test_interim_transcribes_the_utterance_so_far(model):
+    tr = StreamingTranscriber(model, ASRConfig())
+    audio = speech("Please tell me a short fact about the moon.")
+    tr.feed(audio[: len(audio) // 2])
+    first = tr.interim()
+    tr.feed(audio[len(audio) // 2 :])
+    second = tr.interim()
+    assert "please" in words(first.text) and "moon" not in words(first.text)
+    assert "moon" in words(second.text)
+    assert second.samples == len(audio)
+
+
+def test_final_reuses_the_interim_when_no_speech_followed(model):
+    tr = StreamingTranscriber(model, ASRConfig())
+    tr.feed(speech(QUESTION))
+    tr.feed(silence(0.1))
+    interim = tr.interim()
+    tr.feed(silence(0.4))  # the rest of the VAD hangover
+    speech_end = tr.samples - 8000  # VAD stop minus stop_secs=0.5
+    final = tr.final(speech_end)
+    assert model.calls == 1  # the model did not run again
+    assert final.reused and final.text == interim.text and final.model_ms == 0
+    assert {"capital", "france"} <= words(final.text)
+
+
+def test_final_runs_the_model_when_speech_came_after_the_interim(model):
+    tr = StreamingTranscriber(model, ASRConfig())
+    audio = speech(QUESTION)
+    tr.feed(audio[: len(audio) // 2])
+    tr.interim()
+    tr.feed(audio[len(audio) // 2 :])
+    tr.feed(silence(0.5))
+    final = tr.final(tr.samples - 8000)
+    assert model.calls == 2 and not final.reused
+    assert "france" in words(final.text)
+
+
+def test_interim_is_due_every_cadence_of_new_audio(model):
+    tr = StreamingTranscriber(model, ASRConfig(interim_every_ms=300))
+    tr.feed(np.zeros(4799, np.int16))
+    assert not tr.interim_due()
+    tr.feed(np.zeros(1, np.int16))
+    assert tr.interim_due()
+    tr.interim()
+    assert not tr.interim_due()
+
+
+def test_reset_starts_a_new_utterance(model):
+    tr = StreamingTranscriber(model, ASRConfig())
+    tr.feed(speech(QUESTION))
+    tr.interim()
+    tr.reset()
+    assert tr.samples == 0 and tr.last_interim is None and tr.final().text == ""

@@ -1,0 +1,104 @@
+"""Simulated calls through the real pipeline: embedded models, synthesised caller speech."""
+
+import numpy as np
+import pytest
+
+from tests.audio.speech import silence, speech
+from voiceagent.call import RATE, simulate_call
+from voiceagent.cli import main
+from voiceagent.config import load_config
+from voiceagent.pipeline.builder import load_shared
+
+BARGE_IN_BOUND_MS = 600  # InterruptionFrame -> bot audio stopped
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}"])
+
+
+@pytest.fixture(scope="module")
+def shared(cfg):
+    models = load_shared(cfg, progress=lambda _: None)
+    yield models
+    models.close()
+
+
+def _caller(*parts) -> np.ndarray:
+    return np.concatenate([speech(p) if isinstance(p, str) else silence(p) for p in parts])
+
+
+def _energy(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(x.astype(np.float64) ** 2))) if len(x) else 0.0
+
+
+async def test_one_utterance_call_answers_with_speech_and_three_clocks(cfg, shared):
+    result = await simulate_call(cfg, shared, _caller(0.5, "What is the capital of France?", 4.0))
+    [turn] = result.turns
+    assert "capital" in turn.user_text.lower()
+    assert turn.llm_text.strip() and turn.bot_text.strip()
+    assert _energy(result.bot) > 300  # real speech on the bot's channel
+    clocks = turn.clocks
+    assert clocks["request_to_first_token_ms"] > 0
+    assert clocks["itl_ms"]["p50"] is not None and clocks["itl_ms"]["p50"] >= 0
+    assert 0 < clocks["turn_end_to_first_audio_ms"] < 10_000
+    assert turn.engine["finish_reason"] in ("eos", "length")
+    assert result.jsonl.exists()
+
+
+async def test_two_utterances_make_two_turns_with_shared_context(cfg, shared):
+    audio = _caller(0.5, "What is the capital of France?", 6.0, "And what about Spain?", 5.0)
+    result = await simulate_call(cfg, shared, audio)
+    assert len(result.turns) == 2
+    second = result.turns[1]
+    assert second.engine["reused_prefix_tokens"] > 0  # turn 1's KV was reused, not re-prefilled
+    users = [m["content"] for m in result.messages if m["role"] == "user"]
+    assert len(users) == 2 and "capital" in users[0].lower()
+    assert any(m["role"] == "assistant" for m in result.messages[: result.messages.index(
+        next(m for m in result.messages if m["role"] == "user" and m["content"] == users[1]))])
+
+
+async def test_barge_in_silences_the_bot_and_keeps_only_what_was_spoken(cfg, shared):
+    talkative = cfg.model_copy(deep=True)
+    talkative.agent.system_prompt = "Always answer with a long story of at least ten sentences."
+    talkative.engine.sampling.max_new_tokens = 160
+    audio = _caller(0.5, "Tell me a long story about a dragon.", 3.5, "Stop, stop please.", 5.0)
+    result = await simulate_call(talkative, shared, audio)
+    first = result.turns[0]
+    assert first.interrupted
+    assert first.engine["finish_reason"] == "cancelled"
+    assert first.barge_in_to_silence_ms is not None
+    assert first.barge_in_to_silence_ms < BARGE_IN_BOUND_MS
+    said = [m["content"] for m in result.messages if m["role"] == "assistant"][0]
+    assert len(said) < len(first.llm_text)  # the unspoken rest is not in the context
+
+
+async def test_silent_call_has_no_turns(cfg, shared):
+    result = await simulate_call(cfg, shared, silence(2.0))
+    assert result.turns == []
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"", "the file is empty"), (b"not a wav at all", "not a WAV file"),
+     (b"RIFF\x24\x00\x00\x00WAVEfmt \x02\x00\x00\x00\x07\x00", "unreadable WAV")],
+    ids=["empty", "not-wav", "corrupt"],
+)
+def test_bad_input_file_is_a_one_line_error(tmp_path, capsys, content, message):
+    bad = tmp_path / "in.wav"
+    bad.write_bytes(content)
+    assert main(["call", "--wav", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_the_call_wav_has_the_caller_left_and_the_bot_right(tmp_path):
+    import soundfile
+
+    from voiceagent.call import CallResult, write_call_wav
+
+    caller, bot = np.full(RATE, 1000, np.int16), np.full(RATE // 2, -1000, np.int16)
+    write_call_wav(tmp_path / "out.wav", CallResult("c", [], caller, bot, tmp_path, []))
+    data, rate = soundfile.read(tmp_path / "out.wav", dtype="int16")
+    assert rate == RATE and data.shape == (RATE, 2)
+    assert data[0, 0] == 1000 and data[0, 1] == -1000 and data[-1, 1] == 0

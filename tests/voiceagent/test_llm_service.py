@@ -1,0 +1,361 @@
+"""SpeculativeLLMService in pipecat's run_test harness, on a tiny random-weight engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from pipecat.frames.frames import (
+    CancelFrame,
+    ErrorFrame,
+    InterruptionFrame,
+    LLMContextFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    MetricsFrame,
+)
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.processors.aggregators.llm_context import LLMContext, LLMSpecificMessage
+from pipecat.processors.aggregators.llm_response_universal import LLMAssistantAggregator
+from pipecat.tests.utils import SleepFrame, run_test
+
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.prompts import encode_chat
+from llm_engine.serving import AsyncEngine
+from tests.llm_engine.tiny_models import make_model, make_tokenizer
+from voiceagent.pipeline.llm_service import SpeculativeLLMService, chat_messages
+from voiceagent.pipeline.metrics import EngineStatsMetricsData
+
+SESSION = "call-1"
+# Long enough that a held request can't run out of tokens before it is held (at most 1 + 3 * 9
+# with K <= 8), short enough that the requests which run to the end keep the tests quick.
+MAX_NEW = 64
+HOLD_AFTER_STEPS = 3
+BEFORE_INTERRUPTION_S = 1.0  # prefill and a few steps, with room for a loaded 2-core CPU
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return make_model(len(tokenizer))
+
+
+class ScriptedEngine(SpeculativeEngine):
+    """The real engine, with scripted trouble for the first request only.
+
+    `hold_first`: after a few decode steps the first request waits, between two steps, until it
+    is cancelled: a reply that is certainly still streaming when the interruption arrives,
+    however fast or loaded the CPU is. `fail_first`: its first step (the prefill) raises.
+    """
+
+    def __init__(self, *args, hold_first: bool = False, fail_first: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hold_first = hold_first
+        self.fail_first = fail_first
+        self.first = None
+        self.dropped_sessions: list[str] = []
+
+    def start(self, *args, **kwargs):
+        state = super().start(*args, **kwargs)
+        if self.first is None:
+            self.first = state
+        return state
+
+    def step(self, state):
+        if state is self.first and self.fail_first:
+            raise RuntimeError("scripted failure")
+        if state is self.first and self.hold_first and len(state.stats.steps) >= HOLD_AFTER_STEPS:
+            deadline = time.monotonic() + 30  # a service that never cancels fails, not hangs
+            while not state.cancelled and time.monotonic() < deadline:
+                time.sleep(0.002)
+        return super().step(state)
+
+    def drop_session(self, session_id):
+        self.dropped_sessions.append(session_id)
+        super().drop_session(session_id)
+
+
+class RecordingAsyncEngine(AsyncEngine):
+    """Keeps every handle, so a test can ask the engine how each request ended."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.handles = []
+
+    def submit(self, *args, **kwargs):
+        handle = super().submit(*args, **kwargs)
+        self.handles.append(handle)
+        return handle
+
+
+@pytest.fixture
+def make_serving(model, tokenizer):
+    engines = []
+
+    def make(max_context: int = 1024, **scripted) -> RecordingAsyncEngine:
+        config = EngineConfig(
+            max_context=max_context,
+            speculation=SpeculationConfig(method="ngram", gate=False),
+            sampling=SamplingConfig(max_new_tokens=MAX_NEW),
+        )
+        # No EOS: a held reply must not end on its own before the interruption.
+        engine = ScriptedEngine(model, tokenizer, config, eos_token_ids=set(), **scripted)
+        serving = RecordingAsyncEngine(engine)
+        engines.append(serving)
+        return serving
+
+    yield make
+    for serving in engines:
+        serving.close()
+
+
+def _service(serving, tokenizer, **kwargs) -> SpeculativeLLMService:
+    return SpeculativeLLMService(serving, tokenizer, session_id=SESSION, **kwargs)
+
+
+def _context(text: str) -> LLMContextFrame:
+    return LLMContextFrame(context=LLMContext(messages=[{"role": "user", "content": text}]))
+
+
+def _engine_stats(frames) -> list[EngineStatsMetricsData]:
+    return [
+        data
+        for frame in frames
+        if isinstance(frame, MetricsFrame)
+        for data in frame.data
+        if isinstance(data, EngineStatsMetricsData)
+    ]
+
+
+def _replies(frames) -> list[str]:
+    """The text of each reply, Start to End or interruption; asserts that they are well formed."""
+    replies, current = [], None
+    for frame in frames:
+        if isinstance(frame, InterruptionFrame) and current is not None:
+            replies.append("".join(current))
+            current = None
+        elif isinstance(frame, LLMFullResponseStartFrame):
+            assert current is None, "a reply started inside another"
+            current = []
+        elif isinstance(frame, LLMTextFrame):
+            assert current is not None, "text outside a reply"
+            current.append(frame.text)
+        elif isinstance(frame, LLMFullResponseEndFrame):
+            assert current is not None
+            replies.append("".join(current))
+            current = None
+    assert current is None, "a reply was never ended"
+    return replies
+
+
+async def test_context_streams_start_text_end_and_the_engine_text(make_serving, tokenizer):
+    serving = make_serving()
+    llm = _service(serving, tokenizer, system_prompt="Be brief.")
+
+    down, up = await run_test(llm, frames_to_send=[_context("Hello, how can I help you today?")])
+
+    (handle,) = serving.handles
+    completion = await handle.result()
+    assert completion.finish_reason == "length"
+    assert _replies(down) == [completion.text]
+    assert sum(isinstance(f, LLMTextFrame) for f in down) >= 1
+    assert all(f.text for f in down if isinstance(f, LLMTextFrame))
+    (stats,) = _engine_stats(down)
+    assert not stats.interrupted and stats.finish_reason == "length"
+    assert stats.stats["generated_tokens"] == len(completion.token_ids)
+    assert stats.model == serving.engine.config.target
+    expected = encode_chat(
+        tokenizer,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello, how can I help you today?"},
+        ],
+    )
+    assert handle.state.prompt_ids == expected
+    assert handle.state.session_id == SESSION
+    assert not any(isinstance(f, ErrorFrame) for f in up)
+    assert serving.engine.dropped_sessions == [SESSION]  # the call's KV goes with its pipeline
+
+
+async def test_interruption_cancels_the_engine_request_and_text_stops(make_serving, tokenizer):
+    serving = make_serving(hold_first=True)
+    llm = _service(serving, tokenizer)
+    frames = [
+        _context("Hello, how can I help you today?"),
+        SleepFrame(sleep=BEFORE_INTERRUPTION_S),
+        InterruptionFrame(),
+        SleepFrame(sleep=0.2),
+        _context("Thank you for calling."),
+    ]
+
+    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
+
+    interrupted, follow = serving.handles
+    cut = await interrupted.result()
+    assert cut.finish_reason == "cancelled"
+    assert len(cut.token_ids) < MAX_NEW
+    assert interrupted.state.released and interrupted.state.cache is None  # KV freed
+    assert cut.stats.cancel_to_stop_ms is not None
+
+    i = next(n for n, f in enumerate(down) if isinstance(f, InterruptionFrame))
+    before, after = down[:i], down[i + 1 :]
+    streamed = [f.text for f in before if isinstance(f, LLMTextFrame)]
+    assert streamed and cut.text.startswith("".join(streamed))  # it was mid-stream
+    assert not any(isinstance(f, LLMFullResponseEndFrame) for f in before)  # no End to flush TTS
+    second_start = next(n for n, f in enumerate(after) if isinstance(f, LLMFullResponseStartFrame))
+    assert not any(
+        isinstance(f, (LLMTextFrame, LLMFullResponseEndFrame)) for f in after[:second_start]
+    )
+
+    # The next request after the barge-in streams normally.
+    done = await follow.result()
+    assert done.finish_reason == "length"
+    assert _replies(after) == [done.text]
+    stats = {s.request_id: s for s in _engine_stats(down)}
+    assert len(stats) == 2
+    first, second = (stats[f"{SESSION}-{n}"] for n in (1, 2))
+    assert first.interrupted and first.finish_reason == "cancelled"
+    assert first.stats["finish_reason"] == "cancelled"
+    assert not second.interrupted and second.finish_reason == "length"
+
+
+async def test_assistant_aggregator_closes_the_reply_as_interrupted(make_serving, tokenizer):
+    # No TTS here, so pipecat's aggregator keeps what reached it: the text streamed before the
+    # barge-in. (With a TTS and the aggregator after the output transport, that shrinks to what
+    # was spoken; see the module docstring of voiceagent.pipeline.llm_service.)
+    serving = make_serving(hold_first=True)
+    context = LLMContext(messages=[{"role": "user", "content": "Hello"}])
+    aggregator = LLMAssistantAggregator(context)
+    turns = []
+
+    @aggregator.event_handler("on_assistant_turn_stopped")
+    async def on_turn_stopped(_, message):
+        turns.append(message)
+
+    frames = [
+        LLMContextFrame(context=context),
+        SleepFrame(sleep=BEFORE_INTERRUPTION_S),
+        InterruptionFrame(),
+        SleepFrame(sleep=0.2),
+    ]
+
+    pipeline = Pipeline([_service(serving, tokenizer), aggregator])
+    await asyncio.wait_for(run_test(pipeline, frames_to_send=frames), 60)
+
+    (handle,) = serving.handles
+    cut = await handle.result()
+    _, assistant = context.get_messages()
+    assert assistant["role"] == "assistant" and assistant["content"]
+    assert cut.text.strip().startswith(assistant["content"])
+    (turn,) = turns  # one turn, closed by the interruption rather than by an End
+    assert turn.interrupted and turn.content == assistant["content"]
+
+
+async def test_new_context_cancels_the_reply_in_flight(make_serving, tokenizer):
+    serving = make_serving(hold_first=True)
+    llm = _service(serving, tokenizer)
+    frames = [
+        _context("Hello, how can I help you today?"),
+        SleepFrame(sleep=BEFORE_INTERRUPTION_S),
+        _context("Thank you for calling."),
+    ]
+
+    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
+
+    superseded, follow = serving.handles
+    assert (await superseded.result()).finish_reason == "cancelled"
+    replies = _replies(down)  # two replies, one after the other, never interleaved
+    assert replies[1] == (await follow.result()).text
+    reasons = {s.request_id: (s.interrupted, s.finish_reason) for s in _engine_stats(down)}
+    assert reasons == {f"{SESSION}-1": (True, "cancelled"), f"{SESSION}-2": (False, "length")}
+
+
+async def test_prompt_too_long_gives_an_error_frame_and_the_pipeline_goes_on(
+    make_serving, tokenizer
+):
+    serving = make_serving(max_context=64)
+    llm = _service(serving, tokenizer)
+    frames = [_context("Hello, how can I help you today? " * 20), _context("Hello")]
+
+    down, up = await run_test(llm, frames_to_send=frames)
+
+    (error,) = [f for f in up if isinstance(f, ErrorFrame)]
+    assert "max_context" in error.error and not error.fatal
+    assert llm.is_usable
+    (handle,) = serving.handles  # the long prompt never reached the engine
+    assert _replies(down) == [(await handle.result()).text]
+
+
+async def test_failed_engine_request_gives_an_error_frame_and_the_next_one_works(
+    make_serving, tokenizer
+):
+    serving = make_serving(fail_first=True)
+    llm = _service(serving, tokenizer)
+
+    frames = [_context("Hello"), SleepFrame(sleep=BEFORE_INTERRUPTION_S), _context("Hello again")]
+
+    down, up = await run_test(llm, frames_to_send=frames)
+
+    (error,) = [f for f in up if isinstance(f, ErrorFrame)]
+    assert "scripted failure" in error.error and not error.fatal
+    failed, follow = serving.handles
+    assert (await failed.result()).finish_reason == "error"
+    assert _replies(down)[1] == (await follow.result()).text
+    reasons = [s.finish_reason for s in _engine_stats(down)]
+    assert reasons == ["error", "length"]
+
+
+async def test_cancel_frame_cancels_the_engine_request(make_serving, tokenizer):
+    serving = make_serving(hold_first=True)
+    llm = _service(serving, tokenizer)
+    frames = [_context("Hello"), SleepFrame(sleep=BEFORE_INTERRUPTION_S), CancelFrame()]
+
+    await asyncio.wait_for(run_test(llm, frames_to_send=frames, send_end_frame=False), 60)
+
+    (handle,) = serving.handles
+    completion = await asyncio.wait_for(handle.result(), 10)
+    assert completion.finish_reason == "cancelled"
+    assert handle.state.released
+    assert serving.engine.dropped_sessions == [SESSION]
+
+
+def test_chat_messages_flattens_parts_and_skips_tool_traffic():
+    context = LLMContext(
+        messages=[
+            {"role": "developer", "content": "Speak plainly."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Where is"},
+                    {"type": "text", "text": "my order?"},
+                ],
+            },
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            {"role": "tool", "tool_call_id": "1", "content": '{"status": "shipped"}'},
+            LLMSpecificMessage(llm="other", message={"anything": True}),
+            {"role": "assistant", "content": "It has shipped."},
+        ]
+    )
+
+    assert chat_messages(context, system_prompt="Be brief.") == [
+        {"role": "system", "content": "Speak plainly."},
+        {"role": "user", "content": "Where is my order?"},
+        {"role": "assistant", "content": "It has shipped."},
+    ]
+
+
+def test_chat_messages_prepends_the_system_prompt_only_when_there_is_none():
+    context = LLMContext(messages=[{"role": "user", "content": "Hi"}])
+
+    assert chat_messages(context, system_prompt="Be brief.") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    assert chat_messages(context) == [{"role": "user", "content": "Hi"}]

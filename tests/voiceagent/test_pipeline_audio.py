@@ -1,0 +1,264 @@
+"""The pipecat adapters of the audio side: VAD analyzer, streaming STT service, clause TTS service.
+
+Run through pipecat's own test harness (`run_test`) with speech synthesised by the Piper voice.
+"""
+
+import time
+
+import numpy as np
+import pytest
+from pipecat.audio.vad.vad_analyzer import VADState
+from pipecat.frames.frames import (
+    InputAudioRawFrame,
+    InterimTranscriptionFrame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    MetricsFrame,
+    TranscriptionFrame,
+    TTSAudioRawFrame,
+    TTSSpeakFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.observers.base_observer import BaseObserver, FramePushed
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.tests.utils import SleepFrame, run_test
+
+from audio.config import ASRConfig, TTSConfig, VADConfig
+from audio.wav import frames
+from tests.audio.speech import silence, speech
+from voiceagent.models import resolve
+from voiceagent.pipeline.metrics import ASRFinalMetricsData
+from voiceagent.pipeline.stt import StreamingWhisperSTTService, shared_whisper
+from voiceagent.pipeline.tts import make_tts
+from voiceagent.pipeline.vad import make_vad
+
+QUESTION = "What is the capital of France?"
+
+
+def words(text: str) -> set[str]:
+    return {w.strip(".,?!").lower() for w in text.split()}
+
+
+def audio_frames(samples: np.ndarray, rate: int = 16000, every: int = 0, sleep: float = 0.0):
+    """20 ms InputAudioRawFrames, with a SleepFrame after each `every` frames (pacing)."""
+    out = []
+    for i, chunk in enumerate(frames(samples, rate), start=1):
+        out.append(InputAudioRawFrame(chunk.tobytes(), rate, 1))
+        if every and i % every == 0:
+            out.append(SleepFrame(sleep))
+    return out
+
+
+# VAD
+
+
+async def test_vad_uses_the_silero_vad_package_model():
+    vad = make_vad(VADConfig())
+    assert vad.model_path == resolve("silero-vad", "vad").location
+    assert "silero_vad" in vad.model_path
+
+
+async def test_vad_detects_speech_and_silence():
+    cfg = VADConfig(start_secs=0.2, stop_secs=0.5)
+    vad = make_vad(cfg)
+    vad.set_sample_rate(16000)
+    audio = np.concatenate([silence(1.0), speech(QUESTION), silence(1.0)])
+    states = [(await vad.analyze_audio(c.tobytes())) for c in frames(audio, 16000)]
+    speech_start, speech_end = 50, 50 + len(speech(QUESTION)) // 320  # in 20 ms frames
+    assert all(s == VADState.QUIET for s in states[:speech_start])
+    assert VADState.SPEAKING in states[speech_start : speech_start + 25]  # within 0.5 s
+    assert states[-1] == VADState.QUIET
+    assert VADState.SPEAKING not in states[speech_end + 35 :]  # stopped by stop_secs + 0.2 s
+
+
+# STT
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    return shared_whisper(resolve("whisper-tiny.en", "asr").location, "auto", "auto")
+
+
+def stt_results(down):
+    interims = [f for f in down if isinstance(f, InterimTranscriptionFrame)]
+    finals = [f for f in down if isinstance(f, TranscriptionFrame)]
+    metrics = [
+        d for f in down if isinstance(f, MetricsFrame) for d in f.data
+        if isinstance(d, ASRFinalMetricsData)
+    ]
+    return interims, finals, metrics
+
+
+async def test_stt_pushes_interims_while_speaking_then_the_final(whisper):
+    stt = StreamingWhisperSTTService(model=whisper, cfg=ASRConfig(interim_every_ms=300))
+    send = [
+        *audio_frames(silence(0.3)),
+        VADUserStartedSpeakingFrame(start_secs=0.2),
+        *audio_frames(speech(QUESTION), every=10, sleep=0.1),  # 2x real time
+        *audio_frames(silence(0.5)),
+        VADUserStoppedSpeakingFrame(stop_secs=0.5),
+    ]
+    down, _ = await run_test(stt, frames_to_send=send)
+    interims, finals, metrics = stt_results(down)
+    assert interims, "no interim transcript while speaking"
+    assert len(finals) == 1 and {"capital", "france"} <= words(finals[0].text)
+    assert finals[0].finalized and finals[0].user_id == "" and finals[0].timestamp
+    assert down.index(interims[-1]) < down.index(finals[0])
+    assert len(metrics) == 1 and metrics[0].final_ms > 0
+    assert metrics[0].audio_ms >= len(speech(QUESTION)) / 16
+    # audio and VAD frames pass through
+    assert sum(isinstance(f, InputAudioRawFrame) for f in down) > 100
+    assert sum(isinstance(f, VADUserStoppedSpeakingFrame) for f in down) == 1
+
+
+async def test_stt_final_reuses_an_interim_that_covered_the_speech(whisper):
+    stt = StreamingWhisperSTTService(model=whisper, cfg=ASRConfig())
+    send = [
+        VADUserStartedSpeakingFrame(),
+        *audio_frames(speech(QUESTION)),
+        SleepFrame(1.5),  # the interims in flight finish
+        *audio_frames(silence(0.5)),  # starts an interim covering all the speech
+        VADUserStoppedSpeakingFrame(stop_secs=0.5),
+    ]
+    down, _ = await run_test(stt, frames_to_send=send)
+    _, finals, metrics = stt_results(down)
+    assert "france" in words(finals[0].text)
+    assert metrics[0].reused_interim
+    print(f"ASR final (waited for the interim in flight, reused it): {metrics[0].final_ms:.0f} ms")
+
+
+async def test_stt_final_runs_the_model_when_no_interim_covered_the_speech(whisper):
+    stt = StreamingWhisperSTTService(model=whisper, cfg=ASRConfig(interim_every_ms=60_000))
+    send = [
+        VADUserStartedSpeakingFrame(),
+        *audio_frames(speech(QUESTION)),
+        *audio_frames(silence(0.5)),
+        VADUserStoppedSpeakingFrame(stop_secs=0.5),
+    ]
+    down, _ = await run_test(stt, frames_to_send=send)
+    interims, finals, metrics = stt_results(down)
+    assert not interims
+    assert {"capital", "france"} <= words(finals[0].text)
+    assert not metrics[0].reused_interim
+    print(f"ASR final without reuse: {metrics[0].final_ms:.0f} ms after VAD stop")
+
+
+async def test_stt_resamples_8khz_input(whisper):
+    stt = StreamingWhisperSTTService(model=whisper, cfg=ASRConfig())
+    send = [
+        VADUserStartedSpeakingFrame(),
+        *audio_frames(speech(QUESTION, 8000), rate=8000),
+        *audio_frames(silence(0.5, 8000), rate=8000),
+        VADUserStoppedSpeakingFrame(stop_secs=0.5),
+    ]
+    down, _ = await run_test(
+        stt, frames_to_send=send, pipeline_params=PipelineParams(audio_in_sample_rate=8000)
+    )
+    _, finals, _ = stt_results(down)
+    assert "france" in words(finals[0].text)
+
+
+async def test_stt_forwards_interruptions_and_keeps_listening(whisper):
+    stt = StreamingWhisperSTTService(model=whisper, cfg=ASRConfig())
+    send = [
+        VADUserStartedSpeakingFrame(),
+        *audio_frames(speech(QUESTION)[:8000]),
+        InterruptionFrame(),  # barge-in: the caller is still speaking
+        *audio_frames(speech(QUESTION)[8000:]),
+        *audio_frames(silence(0.5)),
+        VADUserStoppedSpeakingFrame(stop_secs=0.5),
+    ]
+    down, _ = await run_test(stt, frames_to_send=send)
+    _, finals, _ = stt_results(down)
+    assert sum(isinstance(f, InterruptionFrame) for f in down) == 1
+    assert {"capital", "france"} <= words(finals[0].text)
+
+
+# TTS
+
+
+class FirstAudioObserver(BaseObserver):
+    """Wall-clock times: each text frame reaching the TTS, the first audio leaving it."""
+
+    def __init__(self, tts):
+        super().__init__()
+        self.tts = tts
+        self.text_in: dict[str, float] = {}
+        self.first_audio: float | None = None
+
+    async def on_push_frame(self, data: FramePushed):
+        if data.destination is self.tts and isinstance(data.frame, (LLMTextFrame, TTSSpeakFrame)):
+            self.text_in.setdefault(data.frame.text, time.perf_counter())
+        if (data.source is self.tts and isinstance(data.frame, TTSAudioRawFrame)
+                and self.first_audio is None):
+            self.first_audio = time.perf_counter()
+
+
+@pytest.fixture
+def tts():
+    return make_tts(TTSConfig())  # a processor serves one pipeline: a fresh one per test
+
+
+async def test_tts_speaks_the_first_clause_before_the_rest_of_the_reply_exists(tts):
+    observer = FirstAudioObserver(tts)
+    first, rest = "Paris is the capital of France, ", " it has many museums."
+    send = [
+        LLMFullResponseStartFrame(),
+        LLMTextFrame(first),
+        LLMTextFrame("and"),
+        SleepFrame(2.0),  # the LLM is slow to continue
+        LLMTextFrame(rest),
+        LLMFullResponseEndFrame(),
+    ]
+    down, _ = await run_test(tts, frames_to_send=send, observers=[observer])
+    assert observer.first_audio is not None
+    assert observer.first_audio < observer.text_in[rest]
+    print(f"TTS first chunk: {(observer.first_audio - observer.text_in[first]) * 1000:.0f} ms")
+    spoken = [f.text for f in down if isinstance(f, TTSTextFrame)]
+    assert spoken == ["Paris is the capital of France,", "and it has many museums."]
+
+
+@pytest.mark.parametrize("rate", [8000, 16000])
+async def test_tts_audio_is_resampled_to_the_output_rate(tts, rate):
+    text = "Hello there, how are you today?"
+    send = [TTSSpeakFrame(text)]
+    down, _ = await run_test(
+        tts, frames_to_send=send, pipeline_params=PipelineParams(audio_out_sample_rate=rate)
+    )
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert audio and all(f.sample_rate == rate and f.num_channels == 1 for f in audio)
+    kinds = [type(f) for f in down]
+    assert kinds.index(TTSStartedFrame) < kinds.index(TTSAudioRawFrame)
+    assert kinds.index(TTSStoppedFrame) > down.index(audio[-1])
+    assert len(audio) >= 2  # one sentence, two clauses: synthesised one after the other
+    seconds = sum(len(f.audio) for f in audio) / 2 / rate
+    expected = sum(len(speech(c)) for c in ("Hello there,", "how are you today?")) / 16000
+    assert abs(seconds - expected) < 0.1  # the same speech at the new rate, none of it lost
+    pcm = np.frombuffer(b"".join(f.audio for f in audio), np.int16)
+    assert np.sqrt(np.mean(pcm.astype(np.float64) ** 2)) > 1000  # real speech energy
+
+
+async def test_tts_interruption_drops_the_rest_of_the_reply(tts):
+    clauses = [f"This is clause number {n}, which keeps going for a while," for n in range(12)]
+    send = [
+        LLMFullResponseStartFrame(),
+        *[LLMTextFrame(c + " ") for c in clauses],
+        SleepFrame(1.0),
+        InterruptionFrame(),
+        SleepFrame(1.0),
+        LLMFullResponseEndFrame(),
+    ]
+    down, _ = await run_test(tts, frames_to_send=send)
+    cut = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
+    before = [f for f in down[:cut] if isinstance(f, TTSAudioRawFrame)]
+    after = [f for f in down[cut:] if isinstance(f, TTSAudioRawFrame)]
+    assert before, "nothing was spoken before the interruption"
+    assert not after, "audio kept coming after the interruption"
+    spoken = sum(len(f.audio) for f in before) / 2 / 24000
+    assert spoken < 12 * 2.5  # far less than the whole reply

@@ -1,0 +1,137 @@
+"""`voiceagent call`: a simulated phone call from a WAV file through the real pipeline.
+
+The caller's audio streams in as 20 ms frames (real time by default); the bot's audio is placed on
+the same timeline, so OUT.wav (left: caller, right: bot) lets you hear overlap and barge-in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pipecat.frames.frames import EndFrame
+from pipecat.workers.runner import WorkerRunner
+
+from audio.wav import read_wav, write_wav
+from voiceagent.config import Config
+from voiceagent.pipeline.builder import SharedModels, build_call, load_shared
+from voiceagent.pipeline.clocks import TurnRecord
+from voiceagent.pipeline.records import JsonlTurnSink, TurnRecords
+from voiceagent.pipeline.wav_transport import WavCallTransport
+
+RATE = 16000  # the simulated line's rate, in and out
+QUIET_S = 1.5  # after the caller's audio, hang up once the bot has been idle this long
+MAX_WAIT_S = 60.0  # ... or at the latest this long after the caller's audio ended
+
+
+@dataclass
+class CallResult:
+    call_id: str
+    turns: list[TurnRecord]
+    caller: np.ndarray  # int16 at RATE
+    bot: np.ndarray  # int16 at RATE, on the caller's timeline
+    jsonl: Path
+    messages: list[dict]  # the conversation context at hang-up
+
+
+async def simulate_call(
+    cfg: Config,
+    shared: SharedModels,
+    audio: np.ndarray,
+    realtime: bool = True,
+    method: str | None = None,
+) -> CallResult:
+    """Run one call with `audio` (int16 mono at RATE) as the caller; return its turns."""
+    transport = WavCallTransport(audio, RATE, RATE, realtime=realtime)
+    sink = JsonlTurnSink(cfg.paths.runs_dir)
+    records = TurnRecords([sink])
+    call = build_call(cfg, shared, transport, records.add, method=method)
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(call.task)
+    run = asyncio.create_task(runner.run())
+    try:
+        await _wait_for_end(transport, call.clocks, run)
+        await call.task.queue_frame(EndFrame())
+        await asyncio.wait_for(run, 30)
+    finally:
+        if not run.done():
+            await call.task.cancel()
+        call.clocks.flush()
+        records.close()
+    seconds = max(len(audio) / RATE, transport.clock.now())
+    bot = transport.output().timeline(seconds)
+    return CallResult(
+        call.call_id, records.by_call.get(call.call_id, []), audio, bot,
+        sink.path_for(call.call_id), list(call.context.get_messages()),
+    )
+
+
+async def _wait_for_end(transport: WavCallTransport, clocks, run: asyncio.Task) -> None:
+    await asyncio.wait(
+        [asyncio.ensure_future(transport.input().audio_done.wait()), run],
+        return_when=asyncio.FIRST_COMPLETED,
+    )
+    deadline = time.monotonic() + MAX_WAIT_S
+    quiet_since = None
+    while time.monotonic() < deadline and not run.done():
+        if clocks.idle:
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= QUIET_S:
+                return
+        else:
+            quiet_since = None
+        await asyncio.sleep(0.05)
+
+
+def write_call_wav(path: str | Path, result: CallResult) -> None:
+    n = max(len(result.caller), len(result.bot))
+    stereo = np.zeros((n, 2), dtype=np.int16)
+    stereo[: len(result.caller), 0] = result.caller
+    stereo[: len(result.bot), 1] = result.bot
+    write_wav(path, stereo, RATE)
+
+
+def _fmt(ms) -> str:
+    return "-" if ms is None else f"{ms:.0f} ms"
+
+
+def print_turns(result: CallResult) -> None:
+    if not result.turns:
+        print("no turns: the caller's audio held no speech the pipeline answered")
+    for t in result.turns:
+        c = t.clocks
+        print(f"turn {t.turn}{' (interrupted)' if t.interrupted else ''}")
+        print(f"  caller: {t.user_text}")
+        print(f"  bot:    {t.bot_text or t.llm_text}")
+        print(
+            f"  request->first token {_fmt(c['request_to_first_token_ms'])}, "
+            f"ITL p50 {_fmt(c['itl_ms']['p50'])} p95 {_fmt(c['itl_ms']['p95'])}, "
+            f"turn end->first audio {_fmt(c['turn_end_to_first_audio_ms'])}"
+        )
+        if t.barge_in_to_silence_ms is not None:
+            print(f"  barge-in -> bot silent {_fmt(t.barge_in_to_silence_ms)}")
+    print(f"turn records: {result.jsonl}")
+
+
+def run_call(cfg: Config, args) -> int:
+    audio = read_wav(args.wav, RATE)  # AudioFormatError (a ValueError) for a bad file
+    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress goes to stderr
+    shared = load_shared(cfg, say)
+    try:
+        result = asyncio.run(simulate_call(cfg, shared, audio, realtime=not args.fast))
+    finally:
+        shared.close()
+    if args.out:
+        write_call_wav(args.out, result)
+    if args.json:
+        print(json.dumps({"call_id": result.call_id, "turns": [t.to_dict() for t in result.turns]}))
+    else:
+        print_turns(result)
+        if args.out:
+            print(f"audio (left: caller, right: bot): {args.out}")
+    return 0

@@ -1,0 +1,106 @@
+"""Assemble one call's pipecat pipeline from the config and the process-wide models.
+
+    transport.input() -> VADProcessor (Silero) -> StreamingWhisperSTTService
+      -> user aggregator -> SpeculativeLLMService -> ClausePiperTTSService
+      -> transport.output() -> assistant aggregator
+
+The engine and the Whisper model are loaded once per process (`SharedModels`) and shared by
+every call; each call gets its own services, context and clocks observer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import (
+    LLMContextAggregatorPair,
+    LLMUserAggregatorParams,
+)
+from pipecat.processors.audio.vad_processor import VADProcessor
+from pipecat.transports.base_transport import BaseTransport
+from pipecat.turns.user_stop import SpeechTimeoutUserTurnStopStrategy
+from pipecat.turns.user_turn_strategies import UserTurnStrategies
+
+from llm_engine.serving import AsyncEngine
+from voiceagent.config import Config
+from voiceagent.llm_setup import LLMRuntime, build_runtime
+from voiceagent.pipeline.clocks import ClocksObserver, TurnRecord
+from voiceagent.pipeline.llm_service import SpeculativeLLMService
+from voiceagent.pipeline.stt import make_stt
+from voiceagent.pipeline.tts import make_tts
+from voiceagent.pipeline.vad import make_vad
+
+
+@dataclass
+class SharedModels:
+    """Loaded once per process and shared by every call."""
+
+    llm: LLMRuntime
+    engine: AsyncEngine
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def load_shared(cfg: Config, progress: Callable[[str], None] = print) -> SharedModels:
+    llm = build_runtime(cfg.engine, cfg.paths.cache_dir, progress)
+    return SharedModels(llm=llm, engine=llm.serve())
+
+
+@dataclass
+class CallPipeline:
+    call_id: str
+    task: PipelineWorker
+    clocks: ClocksObserver
+    context: LLMContext
+    llm: SpeculativeLLMService
+
+
+def build_call(
+    cfg: Config,
+    shared: SharedModels,
+    transport: BaseTransport,
+    on_turn: Callable[[TurnRecord], None],
+    call_id: str | None = None,
+    method: str | None = None,
+) -> CallPipeline:
+    """One call's pipeline task; `method` overrides the speculation method for this call."""
+    call_id = call_id or uuid.uuid4().hex[:12]
+    context = LLMContext()
+    # The VAD's stop_secs is already the hangover; waiting longer after it only adds latency,
+    # and the STT's finalized transcript releases the turn at once.
+    strategies = UserTurnStrategies(stop=[SpeechTimeoutUserTurnStopStrategy(user_speech_timeout=0)])
+    aggregators = LLMContextAggregatorPair(
+        context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies)
+    )
+    llm = SpeculativeLLMService(
+        shared.engine,
+        shared.llm.target.tokenizer,
+        session_id=call_id,
+        system_prompt=cfg.agent.system_prompt,
+        method=method,
+    )
+    pipeline = Pipeline([
+        transport.input(),
+        VADProcessor(vad_analyzer=make_vad(cfg.vad)),
+        make_stt(cfg.asr),
+        aggregators.user(),
+        llm,
+        make_tts(cfg.tts),
+        transport.output(),
+        aggregators.assistant(),
+    ])
+    clocks = ClocksObserver(call_id, on_turn)
+    task = PipelineWorker(
+        pipeline,
+        params=PipelineParams(enable_metrics=True, send_initial_empty_metrics=False),
+        observers=[clocks],
+        idle_timeout_secs=None,  # the transport decides when a call ends
+        enable_rtvi=False,
+    )
+    return CallPipeline(call_id, task, clocks, context, llm)

@@ -1,0 +1,319 @@
+"""SpeculativeLLMService: pipecat's LLM service contract on top of our in-process engine.
+
+The service turns pipecat's universal `LLMContext` into chat messages, submits them to the shared
+`llm_engine.serving.AsyncEngine`, and streams the engine's text deltas out as pipecat expects
+(`LLMFullResponseStartFrame`, `LLMTextFrame`s, `LLMFullResponseEndFrame`; compare
+pipecat/services/openai/base_llm.py `process_frame`, lines 687-741). Each request's
+`RequestStats` leave as an `EngineStatsMetricsData` in a `MetricsFrame` (STYLE.md 9).
+
+Barge-in. pipecat answers an `InterruptionFrame` by cancelling the processor's process task
+(frame_processor.py `_start_interruption`, lines 1152-1170), so `CancelledError` lands at whatever
+`await` a service is on. The engine loop runs on its own thread and would keep decoding, so the
+service cancels the request itself (`RequestHandle.cancel()`: the worker stops at its next step
+boundary and frees the KV) and cancels the task that streams its text. Generation runs in a task of
+its own, not in the process task, so that a new context can supersede a reply in flight and an
+`EndFrame` can wait for it.
+
+What the context keeps of an interrupted reply (pipecat 1.14, read from the source):
+
+- `LLMAssistantAggregator` appends every `TextFrame` with `append_to_context=True` that reaches it
+  (llm_response_universal.py `_handle_text`, lines 2386-2426). On an `InterruptionFrame` it commits
+  what it holds so far as the assistant message (`_handle_interruptions` lines 2020-2022 ->
+  `_trigger_assistant_turn_stopped` line 2579 -> `push_aggregation` line 1946 ->
+  `_add_aggregation_to_context`, line 1978). It does no word or timestamp tracking of its own: it
+  keeps whatever text frames reached it.
+- What reaches it depends on where it sits. In pipecat's standard order
+  `[..., llm, tts, transport.output(), assistant]` the TTS consumes our `LLMTextFrame`s
+  (tts_service.py line 1087 `_handle_text`, not forwarded), forwards the aggregated sentence with
+  `append_to_context=False` (`_announce_text`, line 1609), and queues a `TTSTextFrame` with
+  `append_to_context=True` behind that sentence's audio (`_push_spoken_text`, lines 1703-1725;
+  services with word timestamps push one per word with a pts instead). The output transport
+  releases those frames only after the audio queued before them has been written
+  (base_output.py `_audio_task_handler`, lines 1019-1050, and the clock task for pts frames), and
+  an interruption drops the unplayed rest (`handle_interruptions`: `_audio_queue.reset()` line
+  621, `_clock_queue.reset()` line 627).
+- So with a pipecat `TTSService` and the assistant aggregator after the output transport, the
+  context holds only spoken text: whole sentences for a TTS without word timestamps (the
+  sentence being spoken at barge-in is dropped whole), words for one with them. With no TTS in
+  between, the aggregator would keep every `LLMTextFrame` it received.
+
+This service's part: it never pushes text after it has forwarded the `InterruptionFrame`; the
+streaming task is cancelled and awaited first. It does not push an `LLMFullResponseEndFrame` for an
+interrupted reply either (pipecat's OpenAI service does, from a `finally`, base_llm.py line 739):
+that End would be queued ahead of the interruption, so a TTS could flush the unfinished clause into
+synthesis, and an aggregator right after the LLM could close the turn as not interrupted, before
+the interruption drops it. The `InterruptionFrame` is what ends an interrupted reply downstream,
+as it already must for every pipecat processor whose queued End an interruption flushes. A reply
+superseded by a new context (no interruption) is closed with an End.
+
+Frames:
+
+    in   LLMContextFrame                end any reply in flight; submit; stream the new reply
+         InterruptionFrame              cancel the engine request, stop streaming; forwarded
+         EagerEndOfTurnCancelFrame      same, for a reply started from a speculative context; fwd
+         EndFrame                       let the reply in flight finish, then forwarded
+         CancelFrame                    cancel everything; forwarded
+         anything else                  forwarded
+    out  LLMFullResponseStartFrame, LLMTextFrame (one per non-empty delta), LLMFullResponseEndFrame
+             (not for an interrupted reply: the InterruptionFrame ends it)
+         MetricsFrame[EngineStatsMetricsData] when each engine request ends, interrupted or not,
+             whether or not pipecat metrics are enabled (the clocks observer reads it)
+         MetricsFrame[TTFB, processing] when pipecat metrics are enabled
+         ErrorFrame (upstream, non-fatal) for a refused prompt or a failed engine request
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+from loguru import logger
+from pipecat.frames.frames import (
+    CancelFrame,
+    EagerEndOfTurnCancelFrame,
+    EndFrame,
+    Frame,
+    InterruptionFrame,
+    LLMContextFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMUpdateSettingsFrame,
+    MetricsFrame,
+)
+from pipecat.processors.aggregators.llm_context import (
+    LLMContext,
+    LLMSpecificMessage,
+    standard_message_text,
+)
+from pipecat.processors.frame_processor import FrameDirection
+from pipecat.services.llm_service import LLMService
+from pipecat.services.settings import LLMSettings
+from pipecat.utils.errors import ErrorCategory
+
+from llm_engine.config import SamplingConfig
+from llm_engine.prompts import encode_chat
+from llm_engine.serving import AsyncEngine, Completion, RequestHandle
+from voiceagent.pipeline.metrics import EngineStatsMetricsData
+
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
+
+
+def chat_messages(context: LLMContext, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The context as plain chat messages for the target's chat template.
+
+    Content parts are flattened to their text; tool calls and results, provider-specific messages
+    and messages without text are left out. `system_prompt` goes first when the context has no
+    system message of its own.
+    """
+    messages = []
+    for message in context.get_messages():
+        if isinstance(message, LLMSpecificMessage):
+            continue
+        role = _CHAT_ROLES.get(message.get("role", ""))
+        text = standard_message_text(message)
+        if role is None or not text:
+            continue
+        messages.append({"role": role, "content": text})
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    handle: RequestHandle
+    speculative: bool  # started from a context pipecat may still withdraw
+    stream: asyncio.Task | None = None  # pushes the reply's frames; set at submit
+    interrupted: bool = False  # the engine request was cut short
+    push_end: bool = True  # False when an interruption, not an End, ends the reply downstream
+
+
+class SpeculativeLLMService(LLMService):
+    """A pipecat LLM service backed by the in-process speculative engine (frames: module doc).
+
+    One instance per call. The `AsyncEngine` is shared by every call and owned by the server;
+    `session_id` names this call's KV prefix cache in it, reused from turn to turn and dropped
+    at cleanup.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer,
+        *,
+        session_id: str,
+        system_prompt: str | None = None,
+        sampling: SamplingConfig | None = None,
+        method: str | None = None,
+        **kwargs,
+    ):
+        """`sampling` and `method` override the engine config's; None keeps them."""
+        # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
+        # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
+        # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
+        settings = LLMSettings(
+            model=engine.engine.config.target,
+            system_instruction=system_prompt,
+            temperature=None,
+            max_tokens=None,
+            top_p=None,
+            top_k=None,
+            frequency_penalty=None,
+            presence_penalty=None,
+            seed=None,
+            filter_incomplete_user_turns=False,
+            user_turn_completion_config=None,
+            use_provider_thinking_default=False,
+        )
+        super().__init__(settings=settings, **kwargs)
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._session_id = session_id
+        self._sampling = sampling
+        self._method = method
+        self._numbers = itertools.count(1)
+        self._current: _Request | None = None  # the request whose text is streaming
+        self._requests: dict[str, _Request] = {}  # every request not yet reported
+        self._reporters: set[asyncio.Task] = set()
+
+    # -- frames ---------------------------------------------------------------------------------
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        if isinstance(frame, LLMContextFrame):
+            # Before the base class registers the new inference with its speculation gate: the
+            # superseded reply's End belongs to the old one.
+            await self._interrupt(push_end=True)
+        await super().process_frame(frame, direction)
+
+        if isinstance(frame, LLMContextFrame):
+            await self._begin(frame.context, speculative=frame.speculation)
+        elif isinstance(frame, InterruptionFrame):
+            await self._interrupt(push_end=False)
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, EagerEndOfTurnCancelFrame):
+            if self._current is not None and self._current.speculative:
+                await self._interrupt(push_end=False)
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, LLMUpdateSettingsFrame):
+            pass  # LLMService applied it, or pushed it on when it names another service
+        else:
+            await self.push_frame(frame, direction)
+
+    async def stop(self, frame: EndFrame):
+        # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending
+        # frames drain" and is where in-flight work is flushed (ai_service.py line 127), as
+        # pipecat's own LLM services finish their completion before the EndFrame passes. The
+        # reply in flight (bounded by max_new_tokens) finishes and every request's stats are
+        # pushed before the EndFrame moves on; nothing outlives the pipeline.
+        if self._reporters:
+            await asyncio.wait(set(self._reporters))
+        await super().stop(frame)
+
+    async def cancel(self, frame: CancelFrame):
+        await self._abort()
+        await super().cancel(frame)
+
+    async def cleanup(self):
+        handles = [request.handle for request in self._requests.values()]
+        await self._abort()
+        # The engine frees a cancelled request's KV at its next step boundary, and a request's
+        # release stores the session cache; drop the session once they are all over.
+        for handle in handles:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(handle.result(), _CLEANUP_WAIT_S)
+        self._engine.engine.drop_session(self._session_id)
+        await super().cleanup()
+
+    # -- one request ----------------------------------------------------------------------------
+
+    async def _begin(self, context: LLMContext, speculative: bool) -> None:
+        self._log_llm_response(context)
+        system = self._settings.system_instruction
+        messages = chat_messages(context, system if isinstance(system, str) else None)
+        try:
+            prompt_ids = encode_chat(self._tokenizer, messages)
+            handle = self._engine.submit(prompt_ids, self._sampling, self._session_id, self._method)
+        except Exception as exc:  # a refused prompt must not take the call down
+            # ValueError is the prompt itself (too long for max_context, empty): the context is
+            # at fault, not the service, so pipecat must not mark the service unusable.
+            category = (
+                ErrorCategory.APPLICATION if isinstance(exc, ValueError) else ErrorCategory.UNKNOWN
+            )
+            await self.push_error(f"LLM request refused: {exc}", exception=exc, category=category)
+            return
+        # No await from submit to here: an interruption cancels the process task at an await,
+        # and must find the request registered, with its tasks.
+        request = _Request(f"{self._session_id}-{next(self._numbers)}", handle, speculative)
+        request.stream = self.create_task(self._stream(request), f"stream-{request.id}")
+        reporter = self.create_task(self._report(request), f"report-{request.id}")
+        self._reporters.add(reporter)
+        reporter.add_done_callback(self._reporters.discard)
+        self._requests[request.id] = request
+        self._current = request
+
+    async def _stream(self, request: _Request) -> None:
+        """Push the reply's frames as the engine's deltas arrive."""
+        await self.start_processing_metrics()
+        await self.start_ttfb_metrics()
+        await self.push_frame(LLMFullResponseStartFrame())
+        try:
+            async for delta in request.handle:
+                if delta.text:
+                    await self.stop_ttfb_metrics()
+                    await self._push_llm_text(delta.text)
+        finally:
+            if self._current is request:
+                self._current = None
+            await self.stop_processing_metrics()
+            if request.push_end:
+                await self.push_frame(LLMFullResponseEndFrame())
+
+    async def _report(self, request: _Request) -> None:
+        """Once the engine has ended the request, push its stats (and its error, if any)."""
+        if request.stream is not None:
+            await asyncio.wait({request.stream})  # one reader of the handle at a time
+        completion = await request.handle.result()  # drains what an interrupted stream left
+        self._requests.pop(request.id, None)
+        if completion.error:
+            await self.push_error(
+                f"LLM engine request {request.id} failed: {completion.error}",
+                category=ErrorCategory.UNKNOWN,
+            )
+        await self.push_frame(MetricsFrame(data=[self._metrics_data(request, completion)]))
+
+    def _metrics_data(self, request: _Request, completion: Completion) -> EngineStatsMetricsData:
+        model = self._settings.model
+        return EngineStatsMetricsData(
+            processor=self.name,
+            model=model if isinstance(model, str) else None,
+            request_id=request.id,
+            interrupted=request.interrupted,
+            finish_reason=completion.finish_reason,
+            stats=completion.stats.to_dict(),
+        )
+
+    async def _interrupt(self, push_end: bool) -> None:
+        """Stop the reply in flight: the engine at its next step, the text now."""
+        request = self._current
+        if request is None:
+            return
+        self._current = None
+        request.interrupted = True
+        request.push_end = push_end
+        # Explicitly: the engine's loop runs on a thread, which cancelling a coroutine won't stop.
+        request.handle.cancel()
+        if request.stream is not None:
+            await self.cancel_task(request.stream)
+        logger.debug(f"{self}: request {request.id} cancelled")
+
+    async def _abort(self) -> None:
+        """Cancel every request and task without waiting for stats (the pipeline is going)."""
+        await self._interrupt(push_end=False)
+        for request in self._requests.values():
+            request.handle.cancel()
+        for reporter in list(self._reporters):
+            await self.cancel_task(reporter)

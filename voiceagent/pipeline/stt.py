@@ -1,0 +1,201 @@
+"""Streaming faster-whisper STT for pipecat: interims while the caller speaks, a fast final.
+
+pipecat's WhisperSTTService is a SegmentedSTTService: it transcribes the whole segment only after
+the VAD stop, so the final always costs one full model run after the turn ends. This service keeps
+the utterance in an audio.asr.StreamingTranscriber, re-transcribes it at a cadence while the
+caller speaks (InterimTranscriptionFrame), and at the VAD stop reuses the last interim when it
+already covered the end of speech. The model always runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from functools import lru_cache
+
+import numpy as np
+from loguru import logger
+from pipecat.audio.utils import create_stream_resampler
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InterimTranscriptionFrame,
+    MetricsFrame,
+    TranscriptionFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.services.settings import STTSettings
+from pipecat.services.stt_service import STTService
+from pipecat.transcriptions.language import Language
+from pipecat.utils.time import time_now_iso8601
+
+from audio.asr import SAMPLE_RATE, StreamingTranscriber, Transcript
+from audio.config import ASRConfig
+from audio.loaders import load_whisper
+from voiceagent.models import resolve
+from voiceagent.pipeline.metrics import ASRFinalMetricsData
+
+
+class StreamingWhisperSTTService(STTService):
+    """Frames in: InputAudioRawFrame (any rate, resampled to 16 kHz), VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame. Frames out, besides everything passed through:
+
+    - InterimTranscriptionFrame each `interim_every_ms` of new audio while the caller speaks; an
+      interim that comes due while the previous one still runs is skipped, not queued;
+    - after each VAD stop, TranscriptionFrame(finalized=True) and a MetricsFrame carrying
+      ASRFinalMetricsData. The final waits for a running interim (at most one) and no more.
+    """
+
+    def __init__(self, *, model, cfg: ASRConfig, ttfs_p99_latency: float = 1.0, **kwargs):
+        super().__init__(
+            settings=STTSettings(model=cfg.model, language=cfg.language or None),
+            ttfs_p99_latency=ttfs_p99_latency,
+            **kwargs,
+        )
+        self._model = model
+        self._cfg = cfg
+        self._preroll_samples = cfg.preroll_ms * SAMPLE_RATE // 1000
+        self._preroll = np.zeros(0, np.int16)  # the latest audio while nobody speaks
+        self._utterance: StreamingTranscriber | None = None  # set between VAD start and stop
+        self._interim_task: asyncio.Task | None = None
+        self._final_task: asyncio.Task | None = None
+        self._resampler = create_stream_resampler()
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    async def run_stt(self, audio: bytes) -> AsyncGenerator[Frame | None, None]:
+        """Called by STTService for each audio frame: buffer it; start an interim when due."""
+        if self.sample_rate != SAMPLE_RATE:
+            audio = await self._resampler.resample(audio, self.sample_rate, SAMPLE_RATE)
+        samples = np.frombuffer(audio, dtype=np.int16)
+        if self._utterance is None:
+            self._preroll = np.concatenate([self._preroll, samples])[-self._preroll_samples :]
+        else:
+            self._utterance.feed(samples)
+            self._maybe_start_interim()
+        yield None  # results are pushed by the interim and final tasks
+
+    async def _handle_vad_user_started_speaking(self, frame: VADUserStartedSpeakingFrame):
+        await super()._handle_vad_user_started_speaking(frame)
+        if self._utterance is None:
+            self._utterance = StreamingTranscriber(self._model, self._cfg)
+            self._utterance.feed(self._preroll)  # the VAD confirms speech start_secs late
+            self._preroll = np.zeros(0, np.int16)
+
+    async def _handle_vad_user_stopped_speaking(self, frame: VADUserStoppedSpeakingFrame):
+        await super()._handle_vad_user_stopped_speaking(frame)
+        utterance, self._utterance = self._utterance, None
+        if utterance is None:
+            return
+        # Speech ended stop_secs before the VAD said so: the hangover is silence.
+        speech_end = max(0, utterance.samples - round(frame.stop_secs * SAMPLE_RATE))
+        # The clock starts when the stop reaches us, not at frame.timestamp: a frame can be built
+        # before it is sent (tests, replays), and what we measure is our own delay.
+        self._final_task = self.create_task(
+            self._finalize(utterance, speech_end, time.time(), self._interim_task,
+                           self._final_task),
+            name="asr_final",
+        )
+
+    def _maybe_start_interim(self):
+        utterance = self._utterance
+        if utterance is None or not utterance.interim_due():
+            return
+        if self._interim_task is not None and not self._interim_task.done():
+            return  # skip: queueing interims would only delay the final
+        self._interim_task = self.create_task(self._run_interim(utterance), name="asr_interim")
+
+    async def _run_interim(self, utterance: StreamingTranscriber):
+        try:
+            result = await asyncio.to_thread(utterance.interim)
+        except Exception as e:
+            await self.push_error(f"{self}: interim transcription failed: {e}", exception=e)
+            return
+        # Once the VAD has stopped, this result only serves the final: an interim pushed after
+        # the stop would tell turn detection that more transcription is on the way.
+        if result.text and utterance is self._utterance:
+            await self.push_frame(
+                InterimTranscriptionFrame(result.text, self._user_id, time_now_iso8601(),
+                                          self._language())
+            )
+
+    async def _finalize(
+        self,
+        utterance: StreamingTranscriber,
+        speech_end: int,
+        stopped_at: float,
+        interim: asyncio.Task | None,
+        previous: asyncio.Task | None,
+    ):
+        try:
+            if previous is not None:
+                await previous  # finals go out in utterance order
+            if interim is not None:
+                await interim  # it may cover the end of speech; never wait for more than this one
+            if utterance.covers(speech_end):
+                result = utterance.final(speech_end)  # no model run
+            else:
+                result = await asyncio.to_thread(utterance.final, speech_end)
+        except Exception as e:
+            await self.push_error(f"{self}: final transcription failed: {e}", exception=e)
+            return
+        await self._push_final(result, stopped_at)
+
+    async def _push_final(self, result: Transcript, stopped_at: float):
+        final_ms = (time.time() - stopped_at) * 1000
+        logger.debug(
+            f"{self}: final [{result.text}] {final_ms:.0f} ms after VAD stop "
+            f"({'reused interim' if result.reused else f'model {result.model_ms:.0f} ms'})"
+        )
+        if result.text:
+            await self.push_frame(
+                TranscriptionFrame(result.text, self._user_id, time_now_iso8601(),
+                                   self._language(), finalized=True)
+            )
+        metrics = ASRFinalMetricsData(
+            processor=self.name, model=self._cfg.model, final_ms=final_ms,
+            audio_ms=result.audio_ms, reused_interim=result.reused,
+        )
+        await self.push_frame(MetricsFrame(data=[metrics]))
+
+    def _language(self) -> Language | None:
+        try:
+            return Language(self._settings.language)
+        except (ValueError, TypeError):
+            return None
+
+    async def stop(self, frame: EndFrame):
+        if self._final_task is not None:
+            await self._final_task  # a caller who hangs up right after speaking still gets it
+            self._final_task = None
+        await self._cancel_tasks()
+        await super().stop(frame)
+
+    async def cancel(self, frame: CancelFrame):
+        await self._cancel_tasks()
+        await super().cancel(frame)
+
+    async def _cancel_tasks(self):
+        for task in (self._interim_task, self._final_task):
+            if task is not None and not task.done():
+                await self.cancel_task(task)
+        self._interim_task = self._final_task = None
+
+
+@lru_cache(maxsize=4)
+def shared_whisper(location: str, device: str, compute_type: str):
+    """One WhisperModel per process and setting, shared by all calls (CTranslate2 models are
+    safe to call from several threads)."""
+    return load_whisper(location, device=device, compute_type=compute_type)
+
+
+def make_stt(cfg: ASRConfig) -> StreamingWhisperSTTService:
+    """The pipeline's STT service; the model is loaded once per process."""
+    location = resolve(cfg.model, "asr").location
+    return StreamingWhisperSTTService(
+        model=shared_whisper(location, cfg.device, cfg.compute_type), cfg=cfg
+    )

@@ -1,0 +1,114 @@
+"""Streaming Piper TTS for pipecat that starts speaking at the first clause, not the first sentence.
+
+Built on pipecat's PiperTTSService and its TTSService, which already do what we need around
+synthesis: Piper runs in a worker thread, the output rate is the transport's
+(`audio_out_sample_rate` of the StartFrame), audio is queued per context, and an InterruptionFrame
+cancels synthesis and drops the queued audio. What changes:
+
+- the text aggregator: pipecat's SimpleTextAggregator waits for the end of a sentence; ours
+  releases each clause (audio.text.ClauseSplitter), so the first audio comes sooner;
+- run_tts synthesises text clause by clause too, for text that arrives whole (TTSSpeakFrame),
+  passes our length scale to Piper, and resamples each clause in one piece (see _synthesize).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+
+from loguru import logger
+from pipecat.frames.frames import ErrorFrame, Frame
+from pipecat.services.piper.tts import PiperTTSService
+from pipecat.utils.text.base_text_aggregator import Aggregation, BaseTextAggregator, TextType
+from pipecat.utils.tracing.service_decorators import traced_tts
+from piper import SynthesisConfig
+
+from audio.config import TTSConfig
+from audio.text import ClauseSplitter, split_clauses
+from audio.wav import resample
+from voiceagent.models import resolve
+
+
+class ClauseTextAggregator(BaseTextAggregator):
+    """pipecat text aggregator that yields clauses. Aggregations are typed SENTENCE: to pipecat a
+    clause is a unit to speak, like a sentence."""
+
+    def __init__(self, *, min_chars: int = 6, language: str | None = None):
+        super().__init__(aggregation_type=TextType.SENTENCE, language=language)
+        self._splitter = ClauseSplitter(min_chars)
+
+    @property
+    def text(self) -> Aggregation:
+        return Aggregation(text=self._splitter.pending.strip(" "), type=TextType.SENTENCE)
+
+    async def aggregate(self, text: str) -> AsyncIterator[Aggregation]:
+        for clause in self._splitter.push(text):
+            yield Aggregation(text=clause, type=TextType.SENTENCE)
+
+    async def flush(self) -> Aggregation | None:
+        rest = self._splitter.flush()
+        return Aggregation(text=rest, type=TextType.SENTENCE) if rest else None
+
+    async def handle_interruption(self):
+        self._splitter.reset()
+
+    async def reset(self):
+        self._splitter.reset()
+
+
+class ClausePiperTTSService(PiperTTSService):
+    """Frames in: LLMFullResponseStartFrame, LLMTextFrame..., LLMFullResponseEndFrame, or
+    TTSSpeakFrame; InterruptionFrame. Frames out: TTSStartedFrame, TTSAudioRawFrame (at the
+    output rate) per clause, TTSTextFrame, TTSStoppedFrame; on interruption, queued audio is
+    dropped and nothing more of the interrupted reply is spoken.
+    """
+
+    def __init__(self, *, voice_path: str | Path, cfg: TTSConfig, **kwargs):
+        voice_path = Path(voice_path)
+        super().__init__(
+            download_dir=voice_path.parent,  # the file exists, so nothing is downloaded
+            use_cuda=cfg.use_cuda,
+            settings=PiperTTSService.Settings(voice=voice_path.name.removesuffix(".onnx")),
+            **kwargs,
+        )
+        self._min_clause_chars = cfg.min_clause_chars
+        self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
+        self._text_aggregator = ClauseTextAggregator(
+            min_chars=cfg.min_clause_chars, language=self._text_aggregator.language
+        )
+
+    @traced_tts
+    async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame, None]:
+        try:
+            await self.start_tts_usage_metrics(text)
+            async for frame in self._stream_audio_frames_from_iterator(
+                self._synthesize(split_clauses(text, self._min_clause_chars)),
+                in_sample_rate=self.sample_rate,  # already resampled, see _synthesize
+                context_id=context_id,
+            ):
+                await self.stop_ttfb_metrics()
+                yield frame
+        except Exception as e:
+            logger.error(f"{self} exception: {e}")
+            yield ErrorFrame(error=f"Piper synthesis failed: {e}")
+        finally:
+            await self.stop_ttfb_metrics()
+
+    async def _synthesize(self, clauses: list[str]) -> AsyncIterator[bytes]:
+        """Piper audio for each clause in turn at the output rate, computed in a worker thread.
+
+        Each Piper chunk is a whole clause, so it is resampled in one piece. pipecat's stream
+        resampler would keep its filter delay (36 ms at 16 kHz, 70 ms at 8 kHz) back at the end
+        of each chunk and clear it after 0.2 s idle: the end of every clause would be lost.
+        """
+        rate = self._voice.config.sample_rate
+        for clause in clauses:
+            chunks = self._voice.synthesize(clause, syn_config=self._syn_config)
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield resample(chunk.audio_int16_array, rate, self.sample_rate).tobytes()
+
+
+def make_tts(cfg: TTSConfig) -> ClausePiperTTSService:
+    """The pipeline's TTS service; its output rate follows the transport's."""
+    return ClausePiperTTSService(voice_path=resolve(cfg.voice, "tts").location, cfg=cfg)
