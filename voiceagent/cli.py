@@ -57,11 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (JSON + Markdown under results/)")
     _config_args(p)
-    p.add_argument("what", choices=["engine"], help="what to benchmark")
+    p.add_argument("what", choices=["engine", "call"],
+                   help="engine: engine modes vs HF generate(); call: scripted calls, off vs on")
     p.add_argument("--prompts", default=None, help="prompt set YAML "
                    "(default: configs/prompts/engine_bench_v1.yaml)")
-    p.add_argument("--modes", help="engine modes, comma-separated (default: off,ngram and draft "
-                   "when engine.draft is set; off always runs, it is the reference)")
+    p.add_argument("--modes", help="engine modes, comma-separated (engine default: off,ngram and "
+                   "draft when engine.draft is set; off always runs; call default: off,ngram)")
     p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
     p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
     p.add_argument("--out", default="results", help="results folder (default: results)")
+    p.add_argument("--script", help="bench call: scripted calls YAML "
+                   "(default: configs/prompts/call_bench_v1.yaml)")
 
     p = sub.add_parser("doctor", help="check the environment and load every configured model")
     _config_args(p)
@@ -100,6 +103,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "call":
+        from voiceagent.bench_call import run_call_bench
+
+        return run_call_bench(load_config(args.config, args.overrides), args)
     from voiceagent.bench_engine import DEFAULT_PROMPTS, run_engine_bench
 
     args.prompts = args.prompts or str(DEFAULT_PROMPTS)

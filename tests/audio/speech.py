@@ -7,8 +7,10 @@ from functools import lru_cache
 import numpy as np
 
 from audio.loaders import load_piper
-from audio.wav import resample
+from audio.synth import silence, synthesize
 from voiceagent.models import resolve
+
+__all__ = ["piper_voice", "silence", "speech"]
 
 
 @lru_cache(maxsize=1)
@@ -19,12 +21,6 @@ def piper_voice():
 @lru_cache(maxsize=16)
 def speech(text: str, rate: int = 16000) -> np.ndarray:
     """`text` spoken by Piper, as mono int16 at `rate`. Don't mutate the (cached) result."""
-    voice = piper_voice()
-    audio = np.concatenate([c.audio_int16_array for c in voice.synthesize(text)])
-    out = resample(audio, voice.config.sample_rate, rate)
+    out = synthesize(piper_voice(), text, rate)
     out.flags.writeable = False
     return out
-
-
-def silence(seconds: float, rate: int = 16000) -> np.ndarray:
-    return np.zeros(int(seconds * rate), np.int16)

@@ -161,7 +161,7 @@ async def test_context_streams_start_text_end_and_the_engine_text(make_serving, 
 
     down, up = await run_test(llm, frames_to_send=[_context("Hello, how can I help you today?")])
 
-    (handle,) = serving.handles
+    _warmup, handle = serving.handles
     completion = await handle.result()
     assert completion.finish_reason == "length"
     assert _replies(down) == [completion.text]
@@ -182,6 +182,19 @@ async def test_context_streams_start_text_end_and_the_engine_text(make_serving, 
     assert handle.state.session_id == SESSION
     assert not any(isinstance(f, ErrorFrame) for f in up)
     assert serving.engine.dropped_sessions == [SESSION]  # the call's KV goes with its pipeline
+
+
+async def test_start_prefills_the_system_prompt_into_the_session(make_serving, tokenizer):
+    serving = make_serving()
+    llm = _service(serving, tokenizer, system_prompt="Be brief.")
+    await run_test(llm, frames_to_send=[_context("Hello")])
+    warmup, request = serving.handles
+    system_only = encode_chat(tokenizer, [{"role": "system", "content": "Be brief."}])
+    assert warmup.state.prompt_ids == system_only
+    assert warmup.state.sampling.max_new_tokens == 1
+    assert warmup.state.session_id == request.state.session_id == SESSION
+    # The request reused the warmed-up prefix instead of prefilling the system prompt again.
+    assert request.state.stats.reused_prefix_tokens > 0
 
 
 async def test_interruption_cancels_the_engine_request_and_text_stops(make_serving, tokenizer):

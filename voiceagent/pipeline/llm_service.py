@@ -48,7 +48,8 @@ superseded by a new context (no interruption) is closed with an End.
 
 Frames:
 
-    in   LLMContextFrame                end any reply in flight; submit; stream the new reply
+    in   StartFrame                     prefill the system prompt into the call's session cache
+         LLMContextFrame                end any reply in flight; submit; stream the new reply
          InterruptionFrame              cancel the engine request, stop streaming; forwarded
          EagerEndOfTurnCancelFrame      same, for a reply started from a speculative context; fwd
          EndFrame                       let the reply in flight finish, then forwarded
@@ -81,6 +82,7 @@ from pipecat.frames.frames import (
     LLMFullResponseStartFrame,
     LLMUpdateSettingsFrame,
     MetricsFrame,
+    StartFrame,
 )
 from pipecat.processors.aggregators.llm_context import (
     LLMContext,
@@ -98,6 +100,7 @@ from llm_engine.serving import AsyncEngine, Completion, RequestHandle
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_WARMUP_WAIT_S = 5.0  # a first turn waits at most this long for the system-prompt prefill
 _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
 
 
@@ -179,6 +182,7 @@ class SpeculativeLLMService(LLMService):
         self._current: _Request | None = None  # the request whose text is streaming
         self._requests: dict[str, _Request] = {}  # every request not yet reported
         self._reporters: set[asyncio.Task] = set()
+        self._warmup: asyncio.Task | None = None
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -203,6 +207,25 @@ class SpeculativeLLMService(LLMService):
         else:
             await self.push_frame(frame, direction)
 
+    async def start(self, frame: StartFrame):
+        await super().start(frame)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Prefill the system prompt into this call's session cache before the caller's first
+        turn, so turn 1 only prefills the caller's words (the engine reuses the shared prefix)."""
+        system = self._settings.system_instruction
+        if not isinstance(system, str) or not system:
+            return
+        prompt = encode_chat(self._tokenizer, [{"role": "system", "content": system}])
+        one = SamplingConfig(max_new_tokens=1)
+        try:
+            handle = self._engine.submit(prompt, one, self._session_id, self._method)
+        except ValueError as exc:  # a system prompt over max_context: the real turn reports it
+            logger.warning(f"{self}: system prompt warm-up refused: {exc}")
+            return
+        self._warmup = self.create_task(handle.result(), f"warmup-{self._session_id}")
+
     async def stop(self, frame: EndFrame):
         # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending
         # frames drain" and is where in-flight work is flushed (ai_service.py line 127), as
@@ -219,6 +242,8 @@ class SpeculativeLLMService(LLMService):
 
     async def cleanup(self):
         handles = [request.handle for request in self._requests.values()]
+        if self._warmup is not None and not self._warmup.done():
+            await self.cancel_task(self._warmup)
         await self._abort()
         # The engine frees a cancelled request's KV at its next step boundary, and a request's
         # release stores the session cache; drop the session once they are all over.
@@ -232,6 +257,9 @@ class SpeculativeLLMService(LLMService):
 
     async def _begin(self, context: LLMContext, speculative: bool) -> None:
         self._log_llm_response(context)
+        if self._warmup is not None and not self._warmup.done():
+            # Its prefill is this request's prefix: waiting for it costs nothing extra.
+            await asyncio.wait({self._warmup}, timeout=_WARMUP_WAIT_S)
         system = self._settings.system_instruction
         messages = chat_messages(context, system if isinstance(system, str) else None)
         try:
