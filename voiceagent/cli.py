@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the turn records as JSON")
     pace = p.add_mutually_exclusive_group()
     pace.add_argument("--realtime", action="store_true", help="stream at real-time pace (default)")
-    pace.add_argument("--fast", action="store_true", help="stream as fast as possible")
+    pace.add_argument("--fast", action="store_true",
+                      help="stream without real-time pacing: a smoke run; later utterances then "
+                      "arrive while the bot still answers, so clocks are not meaningful")
 
     p = sub.add_parser("chat", help="generate one reply with the engine only (no audio)")
     _config_args(p)

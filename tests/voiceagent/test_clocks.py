@@ -90,7 +90,8 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
     await push(obs, BotStoppedSpeakingFrame(), 2150, src=OUT)
     await push(obs, engine_metrics(interrupted=True), 2160)
     [r] = records
-    assert r.interrupted and r.barge_in_to_silence_ms == 30
+    assert r.interrupted and r.interruption_to_silence_ms == 30
+    assert r.barge_in_to_silence_ms == 50  # from the caller's VAD start
     assert r.engine["interrupted"]
 
 

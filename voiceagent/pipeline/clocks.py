@@ -60,7 +60,10 @@ class TurnRecord:
     clocks: dict  # request_to_first_token_ms, itl_ms {p50,p95,p99}, turn_end_to_first_audio_ms
     breakdown: dict  # vad_hangover_ms, asr_final_ms, prefill_ms, first_token_ms, ...
     engine: dict  # the engine's RequestStats for this turn's request
-    barge_in_to_silence_ms: float | None = None  # InterruptionFrame -> BotStoppedSpeakingFrame
+    # Barge-in: the caller's speech detected (VAD start) -> the bot's audio stopped, and the
+    # part of it after pipecat decided to interrupt (InterruptionFrame -> audio stopped).
+    barge_in_to_silence_ms: float | None = None
+    interruption_to_silence_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +87,7 @@ class _Turn:
     spoken: list[str] = field(default_factory=list)
     engine: dict = field(default_factory=dict)
     interrupted_ns: int | None = None
+    barge_in_ns: int | None = None  # the caller started speaking over this reply
     audio_stopped_ns: int | None = None
     speaking: bool = False
 
@@ -141,6 +145,9 @@ class ClocksObserver(BaseObserver):
             return
         if isinstance(frame, VADUserStartedSpeakingFrame):
             self._user_speaking = True
+            reply = self._answering
+            if reply is not None and not reply.complete and reply.barge_in_ns is None:
+                reply.barge_in_ns = ts
             if self._listening is None:
                 self._listening = _Turn(started_ns=ts, started_wall=time.time())
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
@@ -237,6 +244,9 @@ class ClocksObserver(BaseObserver):
                 "chunk_to_audio_ms": _ms(turn.tts_first_chunk_ns, turn.first_audio_ns),
             },
             engine=engine,
-            barge_in_to_silence_ms=_ms(turn.interrupted_ns, turn.audio_stopped_ns),
+            barge_in_to_silence_ms=(
+                _ms(turn.barge_in_ns, turn.audio_stopped_ns) if turn.interrupted_ns else None
+            ),
+            interruption_to_silence_ms=_ms(turn.interrupted_ns, turn.audio_stopped_ns),
         )
         self._on_turn(record)
