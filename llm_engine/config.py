@@ -37,12 +37,16 @@ class SpeculationConfig:
     num_draft_tokens: int = 4  # K at the start of a request
     adaptive: bool = True  # move K with measured acceptance
     min_draft_tokens: int = 1
-    max_draft_tokens: int = 8
+    max_draft_tokens: int = 10  # a read-back accepts whole drafts; K doubles up to here
     # Turn speculation off for a request when drafting + verifying costs more than it saves.
     gate: bool = True
-    gate_min_steps: int = 4  # speculative steps measured before the gate may close
+    gate_min_steps: int = 2  # speculative steps measured before the gate may close
     gate_reprobe_steps: int = 32  # plain steps before a closed gate tries again (doubles each time)
-    ngram_min: int = 1
+    gate_probe_draft_tokens: int = 2  # K cap while a re-opened gate probes
+    # Round K up so that the K + 1 verified rows fill the matmul kernel's row blocks: 4 for MKL on
+    # a CPU (3 rows cost more than 4 there), 1 (no rounding) where rows are nearly free (GPU).
+    verify_row_multiple: int = 1
+    ngram_min: int = 2  # a lone repeated token is a poor guess in free conversation
     ngram_max: int = 3
 
 

@@ -20,12 +20,18 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from llm_engine import kv
-from llm_engine.adaptive import AdaptiveK, CostGate, PlainStepCost
+from llm_engine.adaptive import AdaptiveK, CostGate, PlainStepCost, fill_rows
 from llm_engine.config import EngineConfig, SamplingConfig
 from llm_engine.proposers import EMPTY_DRAFT, Draft, ProposeContext, Proposer, make_proposer
-from llm_engine.sampling import is_greedy, logits_to_probs, make_generator
+from llm_engine.sampling import gumbel_noise, is_greedy, logits_to_probs, make_generator
 from llm_engine.stats import EngineTotals, RequestStats, StepStats
-from llm_engine.verify import VerifyResult, clip_committed, verify_greedy, verify_sampling
+from llm_engine.verify import (
+    VerifyResult,
+    clip_committed,
+    verify_greedy,
+    verify_gumbel,
+    verify_sampling,
+)
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)  # [0], the draft of a plain step
 
@@ -38,7 +44,8 @@ class RequestState:
     method: str
     token_ids: list[int]  # committed tokens, prompt first; the target cache holds all but the last
     cache: DynamicCache | None
-    generator: torch.Generator
+    generator: torch.Generator  # draws in step order: draft-model drafts and verify_sampling
+    noise_seed: int  # seeds each position's Gumbel noise for verify_gumbel
     proposer: Proposer
     k_control: AdaptiveK
     gate: CostGate
@@ -116,9 +123,13 @@ class SpeculativeEngine:
         cache, proposer, reuse_len = self._take_session(session_id, prompt_ids, method)
         proposer.begin(prompt_ids)
         spec = self.spec
-        # A seeded sampled request draws its random numbers in an order set by the K schedule;
-        # a timing-driven gate would make that schedule, hence the tokens, vary between runs.
-        timing_free = not is_greedy(sampling) and sampling.seed is not None
+        generator = make_generator(sampling.seed, self.device)
+        # Drafts without q are verified with per-position noise, so their tokens do not depend on
+        # the K schedule. A sampling draft model's do: it draws from the generator in step order,
+        # and a timing-driven gate would make a seeded request's tokens vary between runs.
+        timing_free = (
+            not is_greedy(sampling) and sampling.seed is not None and proposer.samples_drafts
+        )
         return RequestState(
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -126,7 +137,9 @@ class SpeculativeEngine:
             method=method,
             token_ids=list(prompt_ids),
             cache=cache,
-            generator=make_generator(sampling.seed, self.device),
+            generator=generator,
+            # The seed itself when there is one; else the generator's fresh random seed.
+            noise_seed=generator.initial_seed(),
             proposer=proposer,
             k_control=AdaptiveK(
                 spec.num_draft_tokens, spec.min_draft_tokens, spec.max_draft_tokens, spec.adaptive
@@ -136,6 +149,7 @@ class SpeculativeEngine:
                 enabled=spec.gate and not timing_free,
                 min_steps=spec.gate_min_steps,
                 reprobe_steps=spec.gate_reprobe_steps,
+                probe_k=spec.gate_probe_draft_tokens,
             ),
             stats=RequestStats(method=method, prompt_tokens=len(prompt_ids)),
             t_start=time.perf_counter(),
@@ -208,8 +222,10 @@ class SpeculativeEngine:
 
     def _speculative_step(self, state: RequestState, budget: int) -> list[int]:
         """Draft k tokens, verify them in one target forward, commit, roll back. k = 0 decodes."""
+        spec = self.spec
+        k = fill_rows(state.gate.limit(state.k_control.k), spec.verify_row_multiple)
         # The bonus token means k drafts can commit k + 1 tokens: never draft past the budget.
-        k = min(state.k_control.k if state.gate.allows() else 0, budget - 1)
+        k = min(k, spec.max_draft_tokens, budget - 1)
         t0 = time.perf_counter()
         draft = EMPTY_DRAFT
         if k > 0:
@@ -246,7 +262,13 @@ class SpeculativeEngine:
         if is_greedy(state.sampling):
             return verify_greedy(draft_tokens, logits)
         p = logits_to_probs(logits, state.sampling)  # [k + 1, vocab]
-        q = None if draft.q is None else _align_vocab(draft.q.to(p.device), p.shape[-1])
+        if draft.q is None:
+            # Row 0 chooses the token at index len(token_ids): position-coupled noise makes the
+            # tokens independent of how the request was cut into steps (verify module doc).
+            first, (rows, vocab) = len(state.token_ids), p.shape
+            noise = gumbel_noise(state.noise_seed, first, rows, vocab, p.device)  # [k + 1, vocab]
+            return verify_gumbel(draft_tokens, p, noise)
+        q = _align_vocab(draft.q.to(p.device), p.shape[-1])  # [k, vocab]
         return verify_sampling(draft_tokens, q, p, state.generator)
 
     def _commit(self, state: RequestState, tokens: list[int], budget: int) -> list[int]:

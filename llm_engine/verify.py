@@ -13,6 +13,23 @@ Vocabulary, used with these names throughout the package:
   (greedy: the target's argmax; sampling: the normalised residual max(0, p - q)).
 - bonus token: when all k draft tokens are accepted, one more token from p[k], for free.
 Every step therefore commits num_accepted + 1 tokens. An empty draft (k = 0) is plain decoding.
+
+Two sampled verifications, differing only in where their randomness comes from:
+- `verify_sampling`, the papers' rule, for drafts that carry q (the draft model). Its uniforms and
+  resamples come from the request generator in step order, so which tokens a seed produces
+  depends on how many tokens each step drafted.
+- `verify_gumbel`, for drafts without q (n-gram lookups are one-hot, q = 1 on the draft token x)
+  and for plain steps. Position j owns Gumbel noise G_j, fixed by (request seed, j)
+  (`sampling.gumbel_noise`), and the target's sample there is t_j = argmax(log p_j + G_j), which
+  is distributed exactly as p_j (the Gumbel-max trick). A draft token is accepted while it equals
+  t_j; the first mismatch commits t_j as the recovered token, a fully accepted draft commits t_k
+  as the bonus: `verify_greedy` on log p + G. This IS rejection sampling for a one-hot q:
+  P(accept x) = P(t_j = x) = p(x) = min(1, p(x) / q(x)), and on rejection t_j is p conditioned on
+  t_j != x, i.e. p(y) / (1 - p(x)) for y != x: the normalised max(0, p - q), exactly the rule.
+  Only the randomness is coupled to the position instead of the step. Each committed token is
+  t_j given the committed prefix, and G_j decides nothing before position j is committed (rows
+  past a mismatch are discarded unread), so the tokens are those plain decoding with the same seed
+  produces, whatever K and the cost gate did: the gate may stay on for seeded requests.
 """
 
 from __future__ import annotations
@@ -84,6 +101,19 @@ def verify_sampling(
     q_row = _one_hot(draft_tokens[n], p.shape[1], p) if q is None else q[n]
     tokens.append(_sample(residual_distribution(p[n], q_row), generator))
     return VerifyResult(tokens, n, n)
+
+
+def verify_gumbel(
+    draft_tokens: torch.Tensor, p: torch.Tensor, gumbel: torch.Tensor
+) -> VerifyResult:
+    """Rejection sampling for a one-hot q, with per-position Gumbel noise (see the module doc).
+
+    draft_tokens: [k]; p: [k + 1, vocab]; gumbel: [k + 1, vocab], row i the noise of the absolute
+    position that p's row i scores.
+    """
+    assert draft_tokens.ndim == 1 and p.ndim == 2 and gumbel.shape == p.shape
+    # log 0 = -inf keeps tokens removed by top-k / top-p out of the argmax.
+    return verify_greedy(draft_tokens, torch.log(p) + gumbel)
 
 
 def residual_distribution(p_row: torch.Tensor, q_row: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,11 @@ class ProposeContext:
 
 
 class Proposer(Protocol):
+    # True when sampled drafts are drawn from ctx.generator and carry q (a draft model): they are
+    # then verified by rejection sampling on the same generator, whose stream order depends on K.
+    # False for deterministic drafts (q is None), verified with per-position noise instead.
+    samples_drafts: bool
+
     def begin(self, prompt_ids: list[int]) -> None:
         """Start a request. State whose tokens are a prefix of the prompt may be kept."""
 

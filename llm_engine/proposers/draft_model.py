@@ -19,6 +19,8 @@ from llm_engine.sampling import is_greedy, logits_to_probs, sample
 
 @register("draft")
 class DraftModelProposer:
+    samples_drafts = True
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.device = next(model.parameters()).device

@@ -8,6 +8,8 @@ from llm_engine.proposers.base import EMPTY_DRAFT, Draft, ProposeContext, regist
 
 @register("off")
 class OffProposer:
+    samples_drafts = False
+
     @classmethod
     def create(cls, spec: SpeculationConfig, draft_model=None) -> OffProposer:
         return cls()

@@ -113,6 +113,20 @@ def test_target_as_its_own_draft_accepts_all_and_commits_k_plus_1(target, tokeni
     assert checked >= 3
 
 
+def test_drafts_fill_whole_row_blocks(target, tokenizer, prompts, reference):
+    engine = make_engine(
+        target, tokenizer, "draft", target, gate=False, verify_row_multiple=4, max_draft_tokens=11
+    )
+    tokens, state = run(engine, prompts[0])
+    assert tokens == reference[0]
+    budget_left = [
+        NEW_TOKENS - sum(s.committed for s in state.stats.steps[:i]) - 1
+        for i in range(len(state.stats.steps))
+    ]  # the first token came from prefill
+    for step, left in zip(state.stats.steps, budget_left, strict=True):
+        assert step.k in (3, 7, 11) or step.k == left - 1  # 4, 8, 12 rows, or cut by the budget
+
+
 # -- stopping -------------------------------------------------------------------------------------
 
 

@@ -1,11 +1,17 @@
-"""The sampling transform shared by p and q, and the per-request generator."""
+"""The sampling transform shared by p and q, the per-request generator, the per-position noise."""
 
 from __future__ import annotations
 
 import torch
 
 from llm_engine.config import SamplingConfig
-from llm_engine.sampling import logits_to_probs, make_generator, sample
+from llm_engine.sampling import (
+    gumbel_noise,
+    logits_to_probs,
+    make_generator,
+    position_seed,
+    sample,
+)
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
 
@@ -63,3 +69,24 @@ def test_seeded_generator_reproduces_samples():
 def test_unseeded_generators_differ():
     a, b = make_generator(None), make_generator(None)
     assert a.initial_seed() != b.initial_seed()
+
+
+def test_gumbel_noise_of_a_position_does_not_depend_on_the_step_that_asks():
+    whole = gumbel_noise(5, 10, 6, 50)  # positions 10..15 in one step
+    pieces = torch.cat(
+        [gumbel_noise(5, 10, 2, 50), gumbel_noise(5, 12, 1, 50), gumbel_noise(5, 13, 3, 50)]
+    )
+    assert torch.equal(whole, pieces)
+
+
+def test_gumbel_noise_differs_between_positions_and_seeds():
+    rows = torch.cat([gumbel_noise(5, 0, 2, 50), gumbel_noise(6, 0, 1, 50)])  # [3, 50]
+    assert not torch.equal(rows[0], rows[1]) and not torch.equal(rows[0], rows[2])
+    assert len({position_seed(s, j) for s in range(20) for j in range(20)}) == 400
+
+
+def test_gumbel_noise_is_standard_gumbel():
+    noise = gumbel_noise(0, 0, 40, 1000)  # 40k draws: mean = Euler-Mascheroni, var = pi^2 / 6
+    assert torch.isfinite(noise).all()
+    assert abs(noise.mean().item() - 0.5772) < 0.02
+    assert abs(noise.var().item() - 1.6449) < 0.05

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from llm_engine.sampling import gumbel_noise
 from llm_engine.verify import (
     VerifyResult,
     clip_committed,
     residual_distribution,
     verify_greedy,
+    verify_gumbel,
     verify_sampling,
 )
 
@@ -126,6 +128,28 @@ def test_sampling_same_seed_same_tokens():
     assert runs[0] == runs[1]
 
 
+# -- sampling with per-position Gumbel noise: single cases ----------------------------------------
+
+
+def test_gumbel_accepts_the_draft_while_it_equals_the_noisy_argmax():
+    p = torch.softmax(torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3)), -1)
+    noise = gumbel_noise(11, 0, 4, VOCAB)  # [4, VOCAB]
+    chosen = (torch.log(p) + noise).argmax(-1).tolist()  # the target's sample at each position
+    assert verify_gumbel(torch.tensor(chosen[:3]), p, noise).tokens == chosen
+    wrong = (chosen[1] + 1) % VOCAB
+    result = verify_gumbel(torch.tensor([chosen[0], wrong, chosen[2]]), p, noise)
+    assert result.tokens == chosen[:2]  # the recovered token is the target's own sample there
+    assert result.rejection_pos == 1
+
+
+def test_gumbel_never_accepts_a_token_outside_top_k_or_top_p():
+    p = torch.full((2, VOCAB), 1.0 / (VOCAB - 1))
+    p[0, 3] = 0.0  # removed by the sampling transform
+    for seed in range(50):
+        result = verify_gumbel(torch.tensor([3]), p, gumbel_noise(seed, 0, 2, VOCAB))
+        assert result.rejection_pos == 0 and result.tokens[0] != 3
+
+
 # -- sampling: the output follows the target distribution -----------------------------------------
 #
 # Each position j has a fixed target distribution P[j] and draft distribution Q[j] (a "model"
@@ -211,4 +235,61 @@ def test_distribution_check_rejects_wrong_samplers():
     # The same check must fail for biased samplers, or passing it would prove nothing.
     for wrong in (accept_always, inverted_ratio, resample_from_p):
         tv = total_variation(sample_sequences(wrong, seed=1))
+        assert tv > TV_BOUND, f"{wrong.__name__} passed the check (tv={tv:.3f})"
+
+
+# -- the Gumbel path: one-hot drafts and plain steps with per-position noise -----------------------
+#
+# Same product distribution as above. Every sample is a request with its own seed; each step drafts
+# a random number of one-hot tokens (random, so most are rejected and positions are re-scored by
+# later steps). The noise functions below take (request seed, first absolute position, rows).
+
+
+def noise_per_position(seed: int, first: int, rows: int) -> torch.Tensor:
+    return gumbel_noise(seed, first, rows, VOCAB_S)
+
+
+def noise_shared_by_positions(seed: int, first: int, rows: int) -> torch.Tensor:
+    """Wrong: one G for every position, so the tokens of a sequence are correlated."""
+    return gumbel_noise(seed, 0, 1, VOCAB_S).expand(rows, VOCAB_S)
+
+
+def noise_per_step_row(seed: int, first: int, rows: int) -> torch.Tensor:
+    """Wrong: noise indexed by the row within a step, so a step after a rejection reuses the G of
+    positions that were already decided."""
+    return gumbel_noise(seed, 0, rows, VOCAB_S)
+
+
+def no_noise(seed: int, first: int, rows: int) -> torch.Tensor:
+    """Wrong: log p alone, which is greedy decoding."""
+    return torch.zeros(rows, VOCAB_S)
+
+
+def sample_sequences_gumbel(noise, seed: int = 0) -> torch.Tensor:
+    """Counts [VOCAB_S ** LENGTH] of sequences made by one-hot draft-then-verify steps."""
+    gen = torch.Generator().manual_seed(seed)  # drafts and K only; never the target's randomness
+    counts = torch.zeros(VOCAB_S**LENGTH)
+    for request in range(SAMPLES):
+        request_seed = seed * SAMPLES + request
+        out: list[int] = []
+        while len(out) < LENGTH:
+            pos = len(out)
+            k = int(torch.randint(0, LENGTH - pos, (1,), generator=gen))  # 0: a plain step
+            draft = torch.randint(0, VOCAB_S, (k,), generator=gen)  # [k], one-hot drafts
+            p = P[pos : pos + k + 1]  # [k + 1, VOCAB_S]
+            out += verify_gumbel(draft, p, noise(request_seed, pos, k + 1)).tokens
+        index = 0
+        for token in out[:LENGTH]:
+            index = index * VOCAB_S + token
+        counts[index] += 1
+    return counts
+
+
+def test_gumbel_verification_follows_target_distribution():
+    assert total_variation(sample_sequences_gumbel(noise_per_position)) < TV_BOUND
+
+
+def test_distribution_check_rejects_wrong_gumbel_noise():
+    for wrong in (noise_shared_by_positions, noise_per_step_row, no_noise):
+        tv = total_variation(sample_sequences_gumbel(wrong, seed=1))
         assert tv > TV_BOUND, f"{wrong.__name__} passed the check (tv={tv:.3f})"
