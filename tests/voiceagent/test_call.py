@@ -9,7 +9,7 @@ from voiceagent.cli import main
 from voiceagent.config import load_config
 from voiceagent.pipeline.builder import load_shared
 
-BARGE_IN_BOUND_MS = 600  # InterruptionFrame -> bot audio stopped
+BARGE_IN_BOUND_MS = 600  # caller starts talking over the bot -> bot audio stopped
 
 
 @pytest.fixture(scope="module")

@@ -85,13 +85,14 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
     records = []
     obs = ClocksObserver("call-1", records.append)
     await answered_turn(obs)
-    await push(obs, VADUserStartedSpeakingFrame(), 2100)  # the caller talks over the bot
+    # the caller talks over the bot from 2000; the VAD confirms it 100 ms later
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 2100)
     await push(obs, InterruptionFrame(), 2120)
     await push(obs, BotStoppedSpeakingFrame(), 2150, src=OUT)
     await push(obs, engine_metrics(interrupted=True), 2160)
     [r] = records
     assert r.interrupted and r.interruption_to_silence_ms == 30
-    assert r.barge_in_to_silence_ms == 50  # from the caller's VAD start
+    assert r.barge_in_to_silence_ms == 150  # from when the caller actually started
     assert r.engine["interrupted"]
 
 

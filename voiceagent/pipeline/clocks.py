@@ -60,8 +60,8 @@ class TurnRecord:
     clocks: dict  # request_to_first_token_ms, itl_ms {p50,p95,p99}, turn_end_to_first_audio_ms
     breakdown: dict  # vad_hangover_ms, asr_final_ms, prefill_ms, first_token_ms, ...
     engine: dict  # the engine's RequestStats for this turn's request
-    # Barge-in: the caller's speech detected (VAD start) -> the bot's audio stopped, and the
-    # part of it after pipecat decided to interrupt (InterruptionFrame -> audio stopped).
+    # Barge-in: the caller started speaking over the reply (VAD start minus its start_secs)
+    # -> the bot's audio stopped; and the part after pipecat's InterruptionFrame.
     barge_in_to_silence_ms: float | None = None
     interruption_to_silence_ms: float | None = None
 
@@ -147,7 +147,8 @@ class ClocksObserver(BaseObserver):
             self._user_speaking = True
             reply = self._answering
             if reply is not None and not reply.complete and reply.barge_in_ns is None:
-                reply.barge_in_ns = ts
+                # The caller started speaking start_secs before the VAD could confirm it.
+                reply.barge_in_ns = ts - int(frame.start_secs * 1e9)
             if self._listening is None:
                 self._listening = _Turn(started_ns=ts, started_wall=time.time())
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
