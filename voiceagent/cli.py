@@ -10,11 +10,6 @@ from llm_engine.loading import ModelLoadError
 from voiceagent.config import ConfigError, load_config
 from voiceagent.models import ModelNotFound
 
-# Subcommands whose issue has not landed yet say so plainly.
-PENDING = {
-    "serve": "the call server (issue #5)",
-}
-
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config (default: configs/default.yaml)")
@@ -115,25 +110,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_engine_bench(load_config(args.config, args.overrides), args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from voiceagent.server.serve import run_serve
+
+    return run_serve(load_config(args.config, args.overrides), args)
+
+
 def cmd_call(args: argparse.Namespace) -> int:
     from voiceagent.call import run_call
 
     return run_call(load_config(args.config, args.overrides), args)
 
 
-COMMANDS = {"call": cmd_call, "doctor": cmd_doctor, "chat": cmd_chat, "bench": cmd_bench}
+COMMANDS = {
+    "serve": cmd_serve, "call": cmd_call, "doctor": cmd_doctor,
+    "chat": cmd_chat, "bench": cmd_bench,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = COMMANDS.get(args.command)
-    if handler is None:
-        print(
-            f"voiceagent {args.command} is not available yet: it lands with "
-            f"{PENDING[args.command]}.",
-            file=sys.stderr,
-        )
-        return 2
+    handler = COMMANDS[args.command]
     try:
         return handler(args)
     except (ConfigError, ModelNotFound, ModelLoadError, IncompatiblePairError, ValueError) as exc:

@@ -35,6 +35,9 @@ class ServerConfig(BaseModel):
     # Shared token for /api/offer, /telephony/twilio and the dashboard; env VOICEAGENT_TOKEN.
     token: str | None = None
     twilio_auth_token: str | None = None  # enables Twilio request-signature validation
+    # The URL the public reaches us at (e.g. https://abc.ngrok.app), when behind a proxy: Twilio
+    # signs the URL it requested, not the one we see.
+    public_url: str | None = None
     max_calls: int = Field(4, ge=1)
     max_message_bytes: int = Field(64 * 1024, ge=1024)
     idle_timeout_s: float = Field(60.0, gt=0)

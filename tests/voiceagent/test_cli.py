@@ -9,9 +9,11 @@ def test_unknown_set_key_exits_2_with_one_line(capsys):
     assert err.startswith("error: unknown config key 'engine.nope'") and "\n" not in err
 
 
-def test_pending_subcommand_says_which_issue_delivers_it(capsys):
-    assert main(["serve"]) == 2
-    assert "not available yet" in capsys.readouterr().err
+def test_serve_with_a_missing_model_fails_before_binding_a_port(capsys):
+    assert main(["serve", "--set", "tts.voice=/nowhere/voice.onnx"]) == 2
+    err = capsys.readouterr().err  # pipecat's import banner may come first
+    assert err.strip().splitlines()[-1].startswith("error: tts model '/nowhere/voice.onnx'")
+    assert "Traceback" not in err
 
 
 def test_doctor_reports_a_missing_model_in_one_line_and_fails(capsys, tmp_path):

@@ -11,7 +11,7 @@ every call; each call gets its own services, context and clocks observer.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipecat.pipeline.pipeline import Pipeline
@@ -22,6 +22,7 @@ from pipecat.processors.aggregators.llm_response_universal import (
     LLMUserAggregatorParams,
 )
 from pipecat.processors.audio.vad_processor import VADProcessor
+from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_transport import BaseTransport
 from pipecat.turns.user_stop import SpeechTimeoutUserTurnStopStrategy
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
@@ -29,10 +30,11 @@ from pipecat.turns.user_turn_strategies import UserTurnStrategies
 from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config
 from voiceagent.llm_setup import LLMRuntime, build_runtime
+from voiceagent.models import resolve
 from voiceagent.pipeline.clocks import ClocksObserver, TurnRecord
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
-from voiceagent.pipeline.stt import make_stt
-from voiceagent.pipeline.tts import make_tts
+from voiceagent.pipeline.stt import make_stt, shared_whisper
+from voiceagent.pipeline.tts import make_tts, shared_piper_voice
 from voiceagent.pipeline.vad import make_vad
 
 
@@ -48,7 +50,15 @@ class SharedModels:
 
 
 def load_shared(cfg: Config, progress: Callable[[str], None] = print) -> SharedModels:
+    """Load the LLM and start its engine thread; warm the per-process ASR and TTS models so the
+    first call does not pay their load."""
     llm = build_runtime(cfg.engine, cfg.paths.cache_dir, progress)
+    asr = resolve(cfg.asr.model, "asr")
+    progress(f"loading ASR {cfg.asr.model} ...")
+    shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type)
+    tts = resolve(cfg.tts.voice, "tts")
+    progress(f"loading TTS voice {cfg.tts.voice} ...")
+    shared_piper_voice(str(tts.location), cfg.tts.use_cuda)
     return SharedModels(llm=llm, engine=llm.serve())
 
 
@@ -68,8 +78,16 @@ def build_call(
     on_turn: Callable[[TurnRecord], None],
     call_id: str | None = None,
     method: str | None = None,
+    *,
+    after_input: Sequence[FrameProcessor] = (),
+    before_output: Sequence[FrameProcessor] = (),
+    rtvi: bool = False,
 ) -> CallPipeline:
-    """One call's pipeline task; `method` overrides the speculation method for this call."""
+    """One call's pipeline task; `method` overrides the speculation method for this call.
+
+    `after_input` and `before_output` are transport-specific processors (an idle watchdog,
+    Twilio's playback marks); `rtvi` adds pipecat's RTVI messages for a browser client.
+    """
     call_id = call_id or uuid.uuid4().hex[:12]
     context = LLMContext()
     # The VAD's stop_secs is already the hangover; waiting longer after it only adds latency,
@@ -87,11 +105,13 @@ def build_call(
     )
     pipeline = Pipeline([
         transport.input(),
+        *after_input,
         VADProcessor(vad_analyzer=make_vad(cfg.vad)),
         make_stt(cfg.asr),
         aggregators.user(),
         llm,
         make_tts(cfg.tts),
+        *before_output,
         transport.output(),
         aggregators.assistant(),
     ])
@@ -101,6 +121,6 @@ def build_call(
         params=PipelineParams(enable_metrics=True, send_initial_empty_metrics=False),
         observers=[clocks],
         idle_timeout_secs=None,  # the transport decides when a call ends
-        enable_rtvi=False,
+        enable_rtvi=rtvi,
     )
     return CallPipeline(call_id, task, clocks, context, llm)

@@ -1,9 +1,10 @@
 """Streaming Piper TTS for pipecat that starts speaking at the first clause, not the first sentence.
 
-Built on pipecat's PiperTTSService and its TTSService, which already do what we need around
-synthesis: Piper runs in a worker thread, the output rate is the transport's
-(`audio_out_sample_rate` of the StartFrame), audio is queued per context, and an InterruptionFrame
-cancels synthesis and drops the queued audio. What changes:
+Built on pipecat's TTSService, which already does what we need around synthesis: the output rate
+is the transport's (`audio_out_sample_rate` of the StartFrame), audio is queued per context, and an
+InterruptionFrame cancels synthesis and drops the queued audio. Like pipecat's PiperTTSService it
+runs Piper in-process, in a worker thread; unlike it, every call shares one loaded voice (loading
+takes about 0.5 s and 60 MB, too much per call and too slow for the event loop). What changes:
 
 - the text aggregator: pipecat's SimpleTextAggregator waits for the end of a sentence; ours
   releases each clause (audio.text.ClauseSplitter), so the first audio comes sooner;
@@ -15,16 +16,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
+from functools import lru_cache
 from pathlib import Path
 
 from loguru import logger
 from pipecat.frames.frames import ErrorFrame, Frame
-from pipecat.services.piper.tts import PiperTTSService
+from pipecat.services.settings import TTSSettings
+from pipecat.services.tts_service import TTSService
 from pipecat.utils.text.base_text_aggregator import Aggregation, BaseTextAggregator, TextType
 from pipecat.utils.tracing.service_decorators import traced_tts
 from piper import SynthesisConfig
 
 from audio.config import TTSConfig
+from audio.loaders import load_piper
 from audio.text import ClauseSplitter, split_clauses
 from audio.wav import resample
 from voiceagent.models import resolve
@@ -57,26 +61,29 @@ class ClauseTextAggregator(BaseTextAggregator):
         self._splitter.reset()
 
 
-class ClausePiperTTSService(PiperTTSService):
+class ClausePiperTTSService(TTSService):
     """Frames in: LLMFullResponseStartFrame, LLMTextFrame..., LLMFullResponseEndFrame, or
     TTSSpeakFrame; InterruptionFrame. Frames out: TTSStartedFrame, TTSAudioRawFrame (at the
     output rate) per clause, TTSTextFrame, TTSStoppedFrame; on interruption, queued audio is
     dropped and nothing more of the interrupted reply is spoken.
     """
 
-    def __init__(self, *, voice_path: str | Path, cfg: TTSConfig, **kwargs):
-        voice_path = Path(voice_path)
+    def __init__(self, *, voice, voice_name: str, cfg: TTSConfig, **kwargs):
         super().__init__(
-            download_dir=voice_path.parent,  # the file exists, so nothing is downloaded
-            use_cuda=cfg.use_cuda,
-            settings=PiperTTSService.Settings(voice=voice_path.name.removesuffix(".onnx")),
+            push_start_frame=True,
+            push_stop_frames=True,
+            settings=TTSSettings(model=None, voice=voice_name, language=None),
             **kwargs,
         )
+        self._voice = voice  # a loaded piper.PiperVoice, shared by every call
         self._min_clause_chars = cfg.min_clause_chars
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
         self._text_aggregator = ClauseTextAggregator(
             min_chars=cfg.min_clause_chars, language=self._text_aggregator.language
         )
+
+    def can_generate_metrics(self) -> bool:
+        return True
 
     @traced_tts
     async def run_tts(self, text: str, context_id: str) -> AsyncGenerator[Frame, None]:
@@ -109,6 +116,18 @@ class ClausePiperTTSService(PiperTTSService):
                 yield resample(chunk.audio_int16_array, rate, self.sample_rate).tobytes()
 
 
+@lru_cache(maxsize=4)
+def shared_piper_voice(location: str, use_cuda: bool):
+    """One PiperVoice per process and voice file (its ONNX session is safe to call from several
+    threads)."""
+    return load_piper(location, use_cuda=use_cuda)
+
+
 def make_tts(cfg: TTSConfig) -> ClausePiperTTSService:
     """The pipeline's TTS service; its output rate follows the transport's."""
-    return ClausePiperTTSService(voice_path=resolve(cfg.voice, "tts").location, cfg=cfg)
+    location = resolve(cfg.voice, "tts").location
+    return ClausePiperTTSService(
+        voice=shared_piper_voice(str(location), cfg.use_cuda),
+        voice_name=Path(location).name.removesuffix(".onnx"),
+        cfg=cfg,
+    )

@@ -1,0 +1,1 @@
+"""The call server: `voiceagent serve` (browser WebRTC, Twilio Media Streams, health)."""

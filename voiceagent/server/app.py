@@ -1,0 +1,112 @@
+"""The `serve` ASGI app: one FastAPI app for browser calls, phone calls and health.
+
+Models load once, on a background thread, while the server already answers: `/healthz` says 503
+until they are ready, and calls that arrive before then are refused with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from loguru import logger
+
+from voiceagent.config import Config
+from voiceagent.pipeline.builder import SharedModels, load_shared
+from voiceagent.pipeline.records import JsonlTurnSink, TurnRecords
+from voiceagent.server import twilio, webrtc
+from voiceagent.server.calls import CallRegistry
+from voiceagent.server.state import ServerState
+
+STATIC = Path(__file__).parent / "static"
+
+
+def create_app(
+    cfg: Config,
+    shared: SharedModels | None = None,
+    on_load_failed: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """The app; with `shared` given (tests), models are the caller's to close."""
+    state = ServerState(
+        cfg=cfg,
+        calls=CallRegistry(cfg.server.max_calls),
+        records=TurnRecords([JsonlTurnSink(cfg.paths.runs_dir)]),
+        shared=shared,
+    )
+    owns_models = shared is None
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        if owns_models:
+            _start_loading(state, asyncio.get_running_loop(), on_load_failed)
+        yield
+        logger.info(f"shutting down: ending {len(state.calls.active)} call(s)")
+        await state.calls.end_all()
+        await state.webrtc.close()
+        state.records.close()
+        if owns_models and state.shared is not None:
+            state.shared.close()
+
+    app = FastAPI(title="voiceagent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    @app.get("/healthz")
+    async def healthz():
+        if state.ready:
+            return {"status": "ready", "calls": len(state.calls.active),
+                    "max_calls": state.calls.max_calls}
+        if state.load_error:
+            return JSONResponse({"status": "failed", "error": state.load_error}, 503)
+        return JSONResponse({"status": "loading", "step": state.loading_step}, 503)
+
+    @app.get("/", include_in_schema=False)
+    async def call_page():
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.include_router(webrtc.router)
+    app.include_router(twilio.router)
+    return app
+
+
+def _start_loading(state: ServerState, loop: asyncio.AbstractEventLoop, on_failed) -> None:
+    """Load on a daemon thread: the event loop keeps serving, and a shutdown during a long first
+    load does not wait for it."""
+
+    def progress(msg: str) -> None:
+        state.loading_step = msg
+        logger.info(msg)
+
+    def load() -> None:
+        try:
+            shared = load_shared(state.cfg, progress)
+        except Exception as exc:  # ModelNotFound, ModelLoadError, IncompatiblePairError, ...
+            logger.error(f"model loading failed: {exc}")
+            _deliver(_failed, str(exc))
+            return
+        if not _deliver(_loaded, shared):
+            shared.close()  # the server stopped while we loaded
+
+    def _deliver(fn, arg) -> bool:
+        try:
+            loop.call_soon_threadsafe(fn, arg)
+            return True
+        except RuntimeError:  # the event loop is closed
+            return False
+
+    def _loaded(shared: SharedModels) -> None:
+        state.shared = shared
+        logger.info("models loaded: ready for calls")
+
+    def _failed(error: str) -> None:
+        state.load_error = error
+        if on_failed is not None:
+            on_failed(error)
+
+    threading.Thread(target=load, name="model-load", daemon=True).start()

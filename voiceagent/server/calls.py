@@ -1,0 +1,86 @@
+"""Admission and lifetime of the calls one `serve` process runs at once.
+
+A slot is reserved before a call's pipeline is built, so one call over `max_calls` is refused
+before it costs anything, and the calls already running are untouched. Every call runs in its own
+pipecat WorkerRunner on the server's event loop; the engine behind them is shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from loguru import logger
+from pipecat.pipeline.worker import PipelineWorker
+from pipecat.workers.runner import WorkerRunner
+
+
+class ServerBusy(Exception):
+    """All call slots are taken; the message says so in words a caller's client can show."""
+
+
+@dataclass
+class ActiveCall:
+    call_id: str
+    kind: str  # "webrtc" | "twilio"
+    started: float = field(default_factory=time.time)
+    task: PipelineWorker | None = None
+    # Run at shutdown before the task is cancelled, e.g. to close a socket with a reason.
+    on_shutdown: Callable[[], Awaitable[None]] | None = None
+    runner: asyncio.Task | None = None
+
+
+class CallRegistry:
+    def __init__(self, max_calls: int):
+        self.max_calls = max_calls
+        self.active: dict[str, ActiveCall] = {}
+        self.completed = 0
+
+    def reserve(self, kind: str) -> ActiveCall:
+        if len(self.active) >= self.max_calls:
+            raise ServerBusy(
+                f"server busy: {len(self.active)} of {self.max_calls} calls in progress, "
+                "try again later"
+            )
+        call = ActiveCall(uuid.uuid4().hex[:12], kind)
+        self.active[call.call_id] = call
+        return call
+
+    def release(self, call: ActiveCall) -> None:
+        if self.active.pop(call.call_id, None) is not None:
+            self.completed += 1
+
+    async def run(self, call: ActiveCall, task: PipelineWorker) -> None:
+        """Run the call's pipeline until it ends; the slot is freed whatever happens."""
+        call.task = task
+        call.runner = asyncio.current_task()
+        logger.info(f"call {call.call_id} ({call.kind}) started; {len(self.active)} active")
+        try:
+            runner = WorkerRunner(handle_sigint=False)
+            await runner.add_workers(task)
+            await runner.run()
+        except Exception:
+            logger.exception(f"call {call.call_id} failed")
+        finally:
+            self.release(call)
+            elapsed = time.time() - call.started
+            logger.info(f"call {call.call_id} ended after {elapsed:.1f} s")
+
+    async def end_all(self, grace_s: float = 3.0) -> None:
+        """Shutdown: tell every peer the call is over, then stop every pipeline."""
+        calls = list(self.active.values())
+        for call in calls:
+            if call.on_shutdown is not None:
+                try:
+                    await call.on_shutdown()
+                except Exception as exc:  # a peer that vanished must not stop the others' end
+                    logger.warning(f"call {call.call_id}: shutdown notice failed: {exc}")
+        for call in calls:
+            if call.task is not None:
+                await call.task.cancel()
+        runners = [c.runner for c in calls if c.runner is not None and not c.runner.done()]
+        if runners:
+            await asyncio.wait(runners, timeout=grace_s)

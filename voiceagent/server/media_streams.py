@@ -1,0 +1,166 @@
+"""Twilio Media Streams, inbound side: each message checked before pipecat's serializer sees it.
+
+Protocol: https://www.twilio.com/docs/voice/media-streams/websocket-messages. Twilio sends
+`connected`, then `start` (streamSid, callSid, customParameters, mediaFormat audio/x-mulaw
+8000 Hz mono), then `media` (base64 μ-law, 20 ms each), `dtmf`, `mark` (echoing ours when its
+audio has played) and `stop`.
+
+pipecat's TwilioFrameSerializer turns valid messages into frames but drops or chokes on invalid
+ones silently. A bad message here closes the socket with a WebSocket close code and a reason, and
+is logged; only that call ends.
+
+| input | close code | reason starts with |
+| --- | --- | --- |
+| binary frame | 1003 | binary frames are not part of Media Streams |
+| over `max_message_bytes` | 1009 | message too big |
+| not JSON, not an object, no `event` | 1007 | message is not JSON / ... |
+| unknown event | 1002 | unknown event |
+| media, dtmf or mark before start; a second start | 1002 | ... before start / duplicate start |
+| start without streamSid, or not μ-law 8000 Hz mono | 1003 | unsupported media format / ... |
+| media payload that is not base64 | 1007 | media payload is not valid base64 |
+| a streamSid other than the call's | 1002 | streamSid mismatch |
+| `stop` | 1000 | stream stopped |
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass, field
+
+from loguru import logger
+from starlette.websockets import WebSocket, WebSocketState
+
+EVENTS = {"connected", "start", "media", "dtmf", "mark", "stop"}
+MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
+
+
+class ProtocolViolation(Exception):
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class StreamStart:
+    stream_sid: str
+    call_sid: str | None
+    account_sid: str | None
+    custom_parameters: dict = field(default_factory=dict)
+
+
+def parse(raw: dict, max_bytes: int) -> dict:
+    """An ASGI websocket.receive message -> the JSON object it carries."""
+    if raw.get("bytes") is not None:
+        raise ProtocolViolation(1003, "binary frames are not part of Media Streams")
+    text = raw.get("text") or ""
+    if len(text) > max_bytes:
+        raise ProtocolViolation(1009, f"message too big: {len(text)} > {max_bytes} bytes")
+    try:
+        message = json.loads(text)
+    except json.JSONDecodeError:
+        raise ProtocolViolation(1007, "message is not JSON") from None
+    if not isinstance(message, dict) or not isinstance(message.get("event"), str):
+        raise ProtocolViolation(1007, "message is not a JSON object with an 'event'")
+    if message["event"] not in EVENTS:
+        raise ProtocolViolation(1002, f"unknown event '{message['event'][:40]}'")
+    return message
+
+
+def parse_start(message: dict) -> StreamStart:
+    start = message.get("start")
+    if not isinstance(start, dict):
+        raise ProtocolViolation(1002, "start event without a 'start' object")
+    sid = start.get("streamSid") or message.get("streamSid")
+    if not isinstance(sid, str) or not sid:
+        raise ProtocolViolation(1003, "start event without a streamSid")
+    fmt = start.get("mediaFormat")
+    if not isinstance(fmt, dict) or any(fmt.get(k) != v for k, v in MEDIA_FORMAT.items()):
+        raise ProtocolViolation(
+            1003, f"unsupported media format {fmt!r}: expected audio/x-mulaw, 8000 Hz, mono"
+        )
+    params = start.get("customParameters") or {}
+    if not isinstance(params, dict):
+        raise ProtocolViolation(1002, "customParameters must be an object")
+    return StreamStart(sid, start.get("callSid"), start.get("accountSid"), params)
+
+
+def check_in_call(message: dict, stream_sid: str) -> None:
+    """A message after `start`: the same stream, and media that decodes."""
+    event = message["event"]
+    if event in ("start", "connected"):
+        raise ProtocolViolation(1002, f"duplicate {event}")
+    if message.get("streamSid", stream_sid) != stream_sid:
+        raise ProtocolViolation(1002, "streamSid mismatch")
+    if event == "media":
+        media = message.get("media")
+        payload = media.get("payload") if isinstance(media, dict) else None
+        if not isinstance(payload, str):
+            raise ProtocolViolation(1007, "media event without a payload")
+        try:
+            base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolViolation(1007, "media payload is not valid base64") from None
+
+
+class MediaStreamSocket:
+    """The WebSocket that pipecat's FastAPIWebsocketTransport reads, with every inbound message
+    checked first. A violation closes the socket with its code and reason and reads as a
+    disconnect, so the transport ends the call the way it ends any hang-up."""
+
+    def __init__(self, ws: WebSocket, max_bytes: int):
+        self._ws = ws
+        self._max_bytes = max_bytes
+        self.start: StreamStart | None = None
+        self.marks_played: list[str] = []  # our marks Twilio echoed: bot audio the caller heard
+        self.close_reason: tuple[int, str] | None = None
+
+    def __getattr__(self, name):  # everything but receive/close is the plain WebSocket
+        return getattr(self._ws, name)
+
+    async def handshake(self) -> StreamStart:
+        """Read `connected` (optional) and `start`; any other first message is a violation."""
+        while self.start is None:
+            raw = await self._ws.receive()
+            if raw["type"] == "websocket.disconnect":
+                raise ProtocolViolation(1000, "hung up before start")
+            message = parse(raw, self._max_bytes)
+            if message["event"] == "start":
+                self.start = parse_start(message)
+            elif message["event"] != "connected":
+                raise ProtocolViolation(1002, f"{message['event']} before start")
+        return self.start
+
+    async def receive(self) -> dict:
+        raw = await self._ws.receive()
+        if raw["type"] == "websocket.disconnect":
+            return raw
+        try:
+            message = parse(raw, self._max_bytes)
+            check_in_call(message, self.start.stream_sid)
+        except ProtocolViolation as v:
+            await self.close(v.code, v.reason)
+            return {"type": "websocket.disconnect", "code": v.code}
+        if message["event"] == "stop":
+            await self.close(1000, "stream stopped")
+            return {"type": "websocket.disconnect", "code": 1000}
+        if message["event"] == "mark":
+            name = (message.get("mark") or {}).get("name")
+            self.marks_played.append(str(name))
+        return raw
+
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
+        """Close once; later calls (the transport's own teardown) do nothing."""
+        if self.close_reason is not None:
+            return
+        self.close_reason = (code, reason or "")
+        sid = self.start.stream_sid if self.start else "-"
+        log = logger.info if code in (1000, 1001) else logger.warning
+        log(f"twilio stream {sid}: closing ({code}) {reason or ''}")
+        if self._ws.application_state == WebSocketState.CONNECTED:
+            try:
+                await self._ws.close(code, reason)
+            except RuntimeError:  # the peer's close crossed ours
+                pass

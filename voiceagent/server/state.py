@@ -1,0 +1,28 @@
+"""What one `serve` process holds: config, the shared models once loaded, calls, turn records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipecat.transports.smallwebrtc.request_handler import SmallWebRTCRequestHandler
+
+from voiceagent.config import Config
+from voiceagent.pipeline.builder import SharedModels
+from voiceagent.pipeline.records import TurnRecords
+from voiceagent.server.calls import CallRegistry
+
+
+@dataclass
+class ServerState:
+    cfg: Config
+    calls: CallRegistry
+    records: TurnRecords
+    shared: SharedModels | None = None
+    load_error: str | None = None
+    loading_step: str = "starting"
+    webrtc: SmallWebRTCRequestHandler = field(default_factory=SmallWebRTCRequestHandler)
+    webrtc_calls: dict = field(default_factory=dict)  # pc_id -> ActiveCall
+
+    @property
+    def ready(self) -> bool:
+        return self.shared is not None

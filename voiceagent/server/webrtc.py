@@ -1,0 +1,148 @@
+"""Browser calls: SmallWebRTC signalling on `POST /api/offer` (new call or renegotiation) and
+`PATCH /api/offer` (trickled ICE candidates), and the call's pipeline on pipecat's
+SmallWebRTCTransport. The page talks RTVI over the data channel: pipecat's RTVI observer sends the
+live transcript and the bot's words; after each turn we add its clocks as an RTVI server message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import APIRouter, HTTPException, Request
+from loguru import logger
+from pipecat.processors.frameworks.rtvi import RTVIServerMessageFrame
+from pipecat.transports.base_transport import TransportParams
+from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
+from pipecat.transports.smallwebrtc.request_handler import (
+    IceCandidate,
+    SmallWebRTCPatchRequest,
+    SmallWebRTCRequest,
+)
+from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
+
+from voiceagent.pipeline.builder import build_call
+from voiceagent.pipeline.clocks import TurnRecord
+from voiceagent.pipeline.idle import IdleWatchdog
+from voiceagent.server.auth import presented_token, token_ok
+from voiceagent.server.calls import ActiveCall, ServerBusy
+from voiceagent.server.state import ServerState
+
+IN_RATE = 16000  # VAD and Whisper's rate; the transport resamples the browser's 48 kHz
+OUT_RATE = 24000
+
+router = APIRouter()
+
+
+async def _checked_body(request: Request, server: ServerState) -> dict:
+    if not token_ok(server.cfg.server.token, presented_token(request)):
+        raise HTTPException(401, "unauthorized: missing or wrong token")
+    limit = server.cfg.server.max_message_bytes
+    if int(request.headers.get("content-length") or 0) > limit:
+        raise HTTPException(413, f"request too big: over {limit} bytes")
+    body = await request.body()
+    if len(body) > limit:
+        raise HTTPException(413, f"request too big: {len(body)} > {limit} bytes")
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        raise HTTPException(400, "body is not JSON") from None
+    if not isinstance(data, dict):
+        raise HTTPException(400, "body must be a JSON object")
+    return data
+
+
+@router.post("/api/offer")
+async def offer(request: Request):
+    server: ServerState = request.app.state.server
+    data = await _checked_body(request, server)
+    try:
+        req = SmallWebRTCRequest.from_dict(data)
+    except TypeError as exc:
+        raise HTTPException(400, f"bad offer: {exc}") from None
+    if not isinstance(req.sdp, str) or req.type != "offer":
+        raise HTTPException(400, "bad offer: need 'sdp' (a string) and type 'offer'")
+    if req.pc_id in server.webrtc_calls:  # renegotiation of a call in progress
+        return await server.webrtc.handle_web_request(req, _no_new_call)
+    if not server.ready:
+        raise HTTPException(503, "models still loading, try again shortly",
+                            headers={"Retry-After": "5"})
+    try:
+        call = server.calls.reserve("webrtc")
+    except ServerBusy as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": "10"}) from None
+
+    async def start(connection: SmallWebRTCConnection) -> None:
+        _start_call(server, call, connection)
+
+    try:
+        answer = await server.webrtc.handle_web_request(req, start)
+    except Exception as exc:
+        server.calls.release(call)
+        raise HTTPException(400, f"bad offer: {exc}") from None
+    if call.runner is None:  # the pipeline could not be built: logged by the handler
+        server.calls.release(call)
+        raise HTTPException(500, "could not start the call")
+    server.webrtc_calls[answer["pc_id"]] = call
+    call.runner.add_done_callback(lambda _: server.webrtc_calls.pop(answer["pc_id"], None))
+    return answer
+
+
+@router.patch("/api/offer")
+async def ice_candidates(request: Request):
+    server: ServerState = request.app.state.server
+    data = await _checked_body(request, server)
+    try:
+        patch = SmallWebRTCPatchRequest(
+            pc_id=data["pc_id"],
+            candidates=[IceCandidate(**c) for c in data.get("candidates", [])],
+        )
+    except (KeyError, TypeError) as exc:
+        raise HTTPException(400, f"bad candidates: {exc}") from None
+    await server.webrtc.handle_patch_request(patch)  # 404 for an unknown pc_id
+    return {"status": "ok"}
+
+
+async def _no_new_call(_connection) -> None:
+    raise RuntimeError("renegotiation must not start a call")
+
+
+def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCConnection) -> None:
+    transport = SmallWebRTCTransport(
+        connection,
+        TransportParams(audio_in_enabled=True, audio_out_enabled=True,
+                        audio_in_sample_rate=IN_RATE, audio_out_sample_rate=OUT_RATE),
+    )
+
+    def on_turn(record: TurnRecord) -> None:
+        server.records.add(record)
+        message = RTVIServerMessageFrame(data=turn_message(record))
+        asyncio.get_running_loop().create_task(pipeline.task.queue_frame(message))
+
+    def on_idle() -> None:
+        logger.info(f"webrtc call {call.call_id}: idle timeout")
+        asyncio.get_running_loop().create_task(pipeline.task.cancel())
+
+    pipeline = build_call(
+        server.cfg, server.shared, transport, on_turn, call_id=call.call_id,
+        after_input=[IdleWatchdog(server.cfg.server.idle_timeout_s, on_idle)], rtvi=True,
+    )
+
+    @transport.event_handler("on_client_disconnected")
+    async def _gone(_transport, _connection):
+        await pipeline.task.cancel()
+
+    call.runner = asyncio.get_running_loop().create_task(server.calls.run(call, pipeline.task))
+
+
+def turn_message(record: TurnRecord) -> dict:
+    """The RTVI server-message the call page shows after each turn."""
+    return {
+        "type": "turn",
+        "turn": record.turn,
+        "user_text": record.user_text,
+        "bot_text": record.bot_text,
+        "interrupted": record.interrupted,
+        "clocks": record.clocks,
+        "barge_in_to_silence_ms": record.barge_in_to_silence_ms,
+    }
