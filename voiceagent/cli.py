@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (JSON + Markdown under results/)")
     _config_args(p)
-    p.add_argument("what", choices=["engine", "call"],
-                   help="engine: engine modes vs HF generate(); call: scripted calls, off vs on")
+    p.add_argument("what", choices=["engine", "call", "serve"],
+                   help="engine: engine modes vs HF generate(); call: scripted calls, off vs on; "
+                   "serve: the server under simulated Twilio callers")
     p.add_argument("--prompts", default=None, help="prompt set YAML "
                    "(default: configs/prompts/engine_bench_v1.yaml)")
     p.add_argument("--modes", help="engine modes, comma-separated (engine default: off,ngram and "
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results", help="results folder (default: results)")
     p.add_argument("--script", help="bench call: scripted calls YAML "
                    "(default: configs/prompts/call_bench_v1.yaml)")
+    p.add_argument("--turns", type=int, default=5, help="bench serve: turns of the timed call")
+    p.add_argument("--calls", help="bench serve: simultaneous calls to try (default: 1,2,3)")
+    p.add_argument("--soak", type=int, default=20,
+                   help="bench serve: calls in a row for the memory figure (default: 20)")
 
     p = sub.add_parser("doctor", help="check the environment and load every configured model")
     _config_args(p)
@@ -100,6 +105,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "serve":
+        from voiceagent.bench_serve import run_serve_bench
+
+        return run_serve_bench(load_config(args.config, args.overrides), args)
     if args.what == "call":
         from voiceagent.bench_call import run_call_bench
 

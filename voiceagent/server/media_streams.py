@@ -79,7 +79,7 @@ def parse_start(message: dict) -> StreamStart:
     fmt = start.get("mediaFormat")
     if not isinstance(fmt, dict) or any(fmt.get(k) != v for k, v in MEDIA_FORMAT.items()):
         raise ProtocolViolation(
-            1003, f"unsupported media format {fmt!r}: expected audio/x-mulaw, 8000 Hz, mono"
+            1003, f"unsupported media format {json.dumps(fmt)}: need audio/x-mulaw 8000 Hz mono"
         )
     params = start.get("customParameters") or {}
     if not isinstance(params, dict):
@@ -155,12 +155,14 @@ class MediaStreamSocket:
         """Close once; later calls (the transport's own teardown) do nothing."""
         if self.close_reason is not None:
             return
+        # A close frame's reason is at most 123 bytes (RFC 6455 5.5); the log keeps it whole.
+        short = (reason or "").encode()[:123].decode(errors="ignore")
         self.close_reason = (code, reason or "")
         sid = self.start.stream_sid if self.start else "-"
         log = logger.info if code in (1000, 1001) else logger.warning
         log(f"twilio stream {sid}: closing ({code}) {reason or ''}")
         if self._ws.application_state == WebSocketState.CONNECTED:
             try:
-                await self._ws.close(code, reason)
+                await self._ws.close(code, short)
             except RuntimeError:  # the peer's close crossed ours
                 pass

@@ -1,0 +1,91 @@
+"""`voiceagent serve` as a process: health while loading, and a clean stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.voiceagent.server_proc import REPO, free_port
+from tests.voiceagent.serving import server_config
+from voiceagent.server.app import create_app
+from voiceagent.twilio_caller import TwilioCaller
+
+pytestmark = pytest.mark.slow
+
+
+async def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    async with httpx.AsyncClient() as http:
+        for _ in range(int(timeout / 0.25)):
+            assert proc.poll() is None, f"serve exited with {proc.returncode}"
+            try:
+                if (await http.get(f"{base}/healthz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.25)
+    raise AssertionError("serve never became healthy")
+
+
+# After its graceful shutdown uvicorn re-raises the signal, so the exit status is the usual one
+# for that signal: SIGTERM's default action, and our CLI's 130 for SIGINT (KeyboardInterrupt).
+EXIT_STATUS = {signal.SIGTERM: -signal.SIGTERM, signal.SIGINT: 130}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_signal_ends_the_call_in_progress_and_the_process_exits(tmp_path, sig):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voiceagent.cli", "serve", "--port", str(port),
+         "--set", f"paths.runs_dir={tmp_path}"],
+        cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await _wait_ready(base, proc)
+        async with TwilioCaller(f"ws://127.0.0.1:{port}/telephony/twilio") as caller:
+            await caller.start()
+            await asyncio.sleep(0.5)
+            proc.send_signal(sig)
+            assert await caller.wait(lambda r: r.close_code is not None, 10), "call not ended"
+        t0 = time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < 15:
+            await asyncio.sleep(0.1)
+        assert proc.returncode == EXIT_STATUS[sig], log.read_text()[-2000:]
+        assert "Application shutdown complete" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_healthz_is_503_while_loading_then_200(tmp_path):
+    app = create_app(server_config(tmp_path))
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=transport, base_url="http://test") as http:
+        first = await http.get("/healthz")
+        assert first.status_code == 503 and first.json()["status"] == "loading"
+        for _ in range(600):
+            if (await http.get("/healthz")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        ready = await http.get("/healthz")
+        assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+async def test_a_call_before_the_models_are_loaded_is_refused_with_a_reason(tmp_path):
+    app = create_app(server_config(tmp_path))
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=transport, base_url="http://test") as http:
+        offer = await http.post("/api/offer", json={"sdp": "v=0", "type": "offer"})
+        assert offer.status_code == 503 and "loading" in offer.json()["detail"]

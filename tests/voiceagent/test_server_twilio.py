@@ -1,0 +1,156 @@
+"""`WS /telephony/twilio` end to end: a simulated Twilio peer against the real server and models."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.audio.speech import speech
+from tests.voiceagent.serving import server_config, serving
+from voiceagent.pipeline.builder import load_shared
+from voiceagent.twilio_caller import TwilioCaller
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+REPLY_TIMEOUT_S = 45  # a generous bound on one reply on a busy 2-core machine
+BARGE_IN_CLEAR_BOUND_S = 1.5  # caller speech onset -> `clear`: VAD start_secs (0.2 s) + slack
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    models = load_shared(server_config(tmp_path_factory.mktemp("m")), progress=lambda _: None)
+    yield models
+    models.close()
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + "/telephony/twilio"
+
+
+def _replied_after(t: float):
+    return lambda r: r.media_after(t) is not None and r.marks
+
+
+async def test_a_call_hears_the_bot_and_gets_a_mark_after_its_utterance(tmp_path, shared):
+    async with serving(server_config(tmp_path), shared) as (app, base):
+        async with TwilioCaller(ws_url(base)) as caller:
+            await caller.start()
+            said = await caller.say(speech(QUESTION))
+            assert await caller.wait(_replied_after(said.ended), REPLY_TIMEOUT_S), caller.received
+            mark_at, name = caller.received.marks[0]
+            await asyncio.sleep(0.5)
+            assert name == "bot-1"
+            assert caller.received.audio_seconds() > 0.5
+            assert caller.received.media_after(mark_at) is None, "audio after the utterance's mark"
+            await caller.hang_up()
+        [record] = next(iter(app.state.server.records.by_call.values()))
+        assert "france" in record.user_text.lower()
+        assert record.clocks["turn_end_to_first_audio_ms"] > 0
+
+
+async def test_barge_in_gets_a_clear_within_the_bound(tmp_path, shared):
+    async with serving(server_config(tmp_path), shared) as (_app, base):
+        async with TwilioCaller(ws_url(base)) as caller:
+            await caller.start()
+            said = await caller.say(speech("Tell me a long story about a brave little dragon."))
+            assert await caller.wait(lambda r: r.media_after(said.ended), REPLY_TIMEOUT_S)
+            await asyncio.sleep(0.5)  # the bot is mid-utterance
+            barge = await caller.say(speech("Stop, wait a moment please."))
+            assert await caller.wait(
+                lambda r: any(t >= barge.started for t in r.clears), 10
+            ), "no clear after the caller spoke over the bot"
+            clear_at = next(t for t in caller.received.clears if t >= barge.started)
+            assert clear_at - barge.started < BARGE_IN_CLEAR_BOUND_S
+            await caller.hang_up()
+
+
+async def test_a_call_without_the_token_is_closed_with_1008(tmp_path, shared):
+    cfg = server_config(tmp_path, "server.token=s3cret")
+    async with serving(cfg, shared) as (_app, base):
+        async with TwilioCaller(ws_url(base)) as caller:
+            await caller.start(stream=False)
+            await caller.wait(lambda r: r.close_code is not None, 5)
+        assert caller.received.close_code == 1008
+        assert caller.received.close_reason.startswith("unauthorized")
+
+
+async def test_a_call_with_the_token_in_custom_parameters_is_admitted(tmp_path, shared):
+    cfg = server_config(tmp_path, "server.token=s3cret")
+    async with serving(cfg, shared) as (app, base):
+        async with TwilioCaller(ws_url(base), token="s3cret") as caller:
+            await caller.start()
+            assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
+            assert caller.received.close_code is None
+            await caller.hang_up()
+
+
+async def test_twilio_signature_is_required_when_an_auth_token_is_set(tmp_path, shared):
+    from twilio.request_validator import RequestValidator
+
+    cfg = server_config(tmp_path, "server.twilio_auth_token=tw-auth")
+    async with serving(cfg, shared) as (app, base):
+        async with TwilioCaller(ws_url(base)) as unsigned:
+            await unsigned.start(stream=False)
+            await unsigned.wait(lambda r: r.close_code is not None, 5)
+        assert (unsigned.received.close_code, unsigned.received.close_reason) == (
+            1008, "invalid Twilio signature")
+        url = ws_url(base)
+        signature = RequestValidator("tw-auth").compute_signature(url, {})
+        async with TwilioCaller(url, headers={"X-Twilio-Signature": signature}) as signed:
+            await signed.start()
+            assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
+            await signed.hang_up()
+
+
+async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on(tmp_path, shared):
+    async with serving(server_config(tmp_path, "server.max_calls=1"), shared) as (_app, base):
+        async with TwilioCaller(ws_url(base)) as first:
+            await first.start()
+            await asyncio.sleep(0.3)
+            async with TwilioCaller(ws_url(base)) as second:
+                await second.start(stream=False)
+                await second.wait(lambda r: r.close_code is not None, 5)
+            assert second.received.close_code == 1013
+            assert second.received.close_reason.startswith("server busy: 1 of 1 calls")
+            said = await first.say(speech(QUESTION))
+            assert await first.wait(_replied_after(said.ended), REPLY_TIMEOUT_S)
+            await first.hang_up()
+
+
+async def test_a_silent_peer_is_closed_after_the_idle_timeout(tmp_path, shared):
+    async with serving(server_config(tmp_path, "server.idle_timeout_s=1"), shared) as (_, base):
+        async with TwilioCaller(ws_url(base)) as caller:
+            await caller.start(stream=False)  # start, then nothing: a dead leg
+            await caller.wait(lambda r: r.close_code is not None, 10)
+        assert caller.received.close_code == 1000
+        assert caller.received.close_reason.startswith("idle timeout")
+
+
+async def test_three_simultaneous_calls_each_get_a_reply(tmp_path, shared):
+    questions = [QUESTION, "How far away is the moon?", "What colour is the sky?"]
+    async with serving(server_config(tmp_path), shared) as (app, base):
+
+        async def one_call(question: str) -> float:
+            async with TwilioCaller(ws_url(base)) as caller:
+                await caller.start()
+                said = await caller.say(speech(question))
+                assert await caller.wait(_replied_after(said.ended), 2 * REPLY_TIMEOUT_S)
+                await caller.hang_up()
+                return caller.received.media_after(said.ended) - said.ended
+
+        round_trips = await asyncio.gather(*(one_call(q) for q in questions))
+        records = app.state.server.records.by_call
+        assert len(records) == 3 and all(len(turns) >= 1 for turns in records.values())
+        clock3 = [turns[0].clocks["turn_end_to_first_audio_ms"] for turns in records.values()]
+        print(f"3 simultaneous calls: clock 3 {[f'{c:.0f} ms' for c in clock3]}, "
+              f"client round trips {[f'{r * 1000:.0f} ms' for r in round_trips]}")
+
+
+async def _until(predicate, timeout: float) -> bool:
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return predicate()
