@@ -37,7 +37,9 @@ class ASRConfig:
     language: str = "en"
     beam_size: int = 1
     interim_every_ms: int = 300  # re-transcribe the growing utterance at this cadence
-    preroll_ms: int = 500  # audio kept from before the VAD start (it fires start_secs late)
+    # Audio kept from before the VAD start: it fires start_secs late, and at the start of a
+    # stream, before Silero has context, up to ~0.7 s late (seen on Twilio calls).
+    preroll_ms: int = 800
 
 
 @dataclass

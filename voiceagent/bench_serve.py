@@ -62,12 +62,12 @@ class Bench:
         async with TwilioCaller(url) as caller:
             await caller.start()
             await asyncio.sleep(0.5)
-            for i, question in enumerate(questions):
+            for question in questions:
                 said = await caller.say(self.speech[question])
-                if not await caller.wait(lambda r, n=i + 1: len(r.marks) >= n, REPLY_TIMEOUT_S):
+                first = await caller.reply(said.ended, REPLY_TIMEOUT_S)
+                if first is None:
                     raise RuntimeError(f"no reply to {question!r} in {REPLY_TIMEOUT_S} s")
-                trips.append(1000 * (caller.received.media_after(said.ended) - said.ended))
-                await asyncio.sleep(1.0)
+                trips.append(1000 * (first - said.ended))
             await caller.hang_up()
         return trips
 
@@ -110,13 +110,17 @@ class Bench:
                 }
             self.say(f"memory: {soak} calls one after another")
             gc.collect()
-            rss = [rss_mb()]
+            rss, objects = [rss_mb()], [len(gc.get_objects())]
             for i in range(soak):
                 await self.turns(url, [QUESTIONS[i % len(QUESTIONS)]])
                 gc.collect()
                 rss.append(rss_mb())
+                objects.append(len(gc.get_objects()))
             out["rss_mb"] = {"before": rss[0], "after_1": rss[1], "after_n": rss[-1],
                              "n": soak, "series": rss}
+            # Python objects alive: a leak of calls' pipelines would grow this by thousands.
+            out["gc_objects"] = {"after_1": objects[1], "after_n": objects[-1],
+                                 "series": objects}
             out["turn_records_kept"] = sum(len(v) for v in records.by_call.values())
         story_cfg = self.cfg.model_copy(deep=True)
         story_cfg.agent.system_prompt = STORY_PROMPT
@@ -150,6 +154,9 @@ def render(r: dict) -> str:
                      f"{_p50(c['round_trip_ms'])} ms |")
     lines.append(f"| RSS after 1 call / after {rss['n']} calls (before: {rss['before']:.0f} MB) | "
                  f"{rss['after_1']:.0f} / {rss['after_n']:.0f} MB |")
+    objs = r["gc_objects"]
+    lines.append(f"| Python objects alive after 1 call / after {rss['n']} calls | "
+                 f"{objs['after_1']} / {objs['after_n']} |")
     return "\n".join(lines)
 
 

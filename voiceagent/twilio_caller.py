@@ -155,6 +155,19 @@ class TwilioCaller:
             await asyncio.sleep(0.02)
         return True
 
+    async def reply(self, after: float, timeout: float, quiet_s: float = 1.5) -> float | None:
+        """Wait for the bot's reply to speech that ended at `after`: its first media, then
+        `quiet_s` without media. Returns when the reply's audio started arriving, or None."""
+        if not await self.wait(lambda r: r.media_after(after) is not None, timeout):
+            return None
+        first = self.received.media_after(after)
+        while not self.closed.is_set():
+            last = self.received.media[-1][0]
+            if time.monotonic() - last >= quiet_s:
+                break
+            await asyncio.sleep(0.05)
+        return first
+
     async def _read(self) -> None:
         try:
             async for data in self._ws:

@@ -36,6 +36,10 @@ BAD_INPUT = {
     "another stream's media": (True, lambda c: _media("MZother", "//8="), 1002,
                                "streamSid mismatch"),
     "second start": (True, lambda c: {"event": "start", "start": {}}, 1002, "duplicate start"),
+    "mark without a name": (True, lambda c: {"event": "mark", "mark": "x"}, 1007,
+                            "mark event without a name"),
+    "dtmf without a digit": (True, lambda c: {"event": "dtmf", "dtmf": {}}, 1007,
+                             "dtmf event without a digit"),
 }
 WRONG_RATE = {"encoding": "audio/x-mulaw", "sampleRate": 16000, "channels": 1}
 
@@ -108,6 +112,7 @@ async def test_a_bad_offer_is_a_400_and_an_unknown_peer_a_404(tmp_path, shared):
             assert (await http.post("/api/offer", json=bad_sdp)).status_code == 400
             patch = {"pc_id": "nobody", "candidates": []}
             assert (await http.patch("/api/offer", json=patch)).status_code == 404
+            assert (await http.patch("/api/offer", json={"candidates": []})).status_code == 400
             big = json.dumps({"sdp": "x" * 100_000, "type": "offer"})
             assert (await http.post("/api/offer", content=big)).status_code == 413
         assert await _healthy(base)

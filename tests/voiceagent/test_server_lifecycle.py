@@ -56,6 +56,7 @@ async def test_a_signal_ends_the_call_in_progress_and_the_process_exits(tmp_path
             await asyncio.sleep(0.5)
             proc.send_signal(sig)
             assert await caller.wait(lambda r: r.close_code is not None, 10), "call not ended"
+        assert caller.received.close_code == 1012  # uvicorn's "service restart"
         t0 = time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < 15:
             await asyncio.sleep(0.1)
@@ -83,9 +84,8 @@ async def test_healthz_is_503_while_loading_then_200(tmp_path):
 
 
 async def test_a_call_before_the_models_are_loaded_is_refused_with_a_reason(tmp_path):
-    app = create_app(server_config(tmp_path))
+    app = create_app(server_config(tmp_path))  # lifespan not run: the models never load
     transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=transport, base_url="http://test") as http:
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
         offer = await http.post("/api/offer", json={"sdp": "v=0", "type": "offer"})
         assert offer.status_code == 503 and "loading" in offer.json()["detail"]

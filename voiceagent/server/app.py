@@ -46,6 +46,7 @@ def create_app(
         if owns_models:
             _start_loading(state, asyncio.get_running_loop(), on_load_failed)
         yield
+        state.stopped = True
         logger.info(f"shutting down: ending {len(state.calls.active)} call(s)")
         await state.calls.end_all()
         await state.webrtc.close()
@@ -91,7 +92,7 @@ def _start_loading(state: ServerState, loop: asyncio.AbstractEventLoop, on_faile
             _deliver(_failed, str(exc))
             return
         if not _deliver(_loaded, shared):
-            shared.close()  # the server stopped while we loaded
+            shared.close()  # the event loop is gone
 
     def _deliver(fn, arg) -> bool:
         try:
@@ -101,6 +102,9 @@ def _start_loading(state: ServerState, loop: asyncio.AbstractEventLoop, on_faile
             return False
 
     def _loaded(shared: SharedModels) -> None:
+        if state.stopped:  # the server stopped while we loaded
+            shared.close()
+            return
         state.shared = shared
         logger.info("models loaded: ready for calls")
 

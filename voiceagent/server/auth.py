@@ -17,29 +17,33 @@ import hmac
 from starlette.requests import HTTPConnection
 from twilio.request_validator import RequestValidator
 
+WS_SCHEME = {"https": "wss", "http": "ws"}  # Twilio signs the wss:// URL of <Stream url>
 
-def presented_token(conn: HTTPConnection, extra: str | None = None) -> str | None:
+
+def presented_token(conn: HTTPConnection, extra: object = None) -> object:
     auth = conn.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
     return conn.query_params.get("token") or extra
 
 
-def token_ok(expected: str | None, presented: str | None) -> bool:
+def token_ok(expected: str | None, presented: object) -> bool:
     if not expected:
         return True
-    return presented is not None and hmac.compare_digest(expected.encode(), presented.encode())
+    return isinstance(presented, str) and hmac.compare_digest(
+        expected.encode(), presented.encode())
 
 
 def public_url(conn: HTTPConnection, base: str | None) -> str:
-    """The URL the peer requested, as it saw it (scheme and host from the proxy when set)."""
+    """The WebSocket URL the peer requested, as it saw it: `base` (https://host or wss://host)
+    when set, else the proxy's forwarded scheme and host, else ours."""
     path = conn.url.path + (f"?{conn.url.query}" if conn.url.query else "")
     if base:
-        return base.rstrip("/") + path
+        scheme, _, rest = base.rstrip("/").partition("://")
+        return f"{WS_SCHEME.get(scheme, scheme)}://{rest}{path}"
     proto = conn.headers.get("x-forwarded-proto", conn.url.scheme)
-    scheme = {"https": "wss", "http": "ws"}.get(proto, proto)
     host = conn.headers.get("x-forwarded-host") or conn.headers.get("host", conn.url.netloc)
-    return f"{scheme}://{host}{path}"
+    return f"{WS_SCHEME.get(proto, proto)}://{host}{path}"
 
 
 def twilio_signature_ok(conn: HTTPConnection, auth_token: str | None, base: str | None) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from loguru import logger
@@ -28,8 +28,6 @@ class ActiveCall:
     kind: str  # "webrtc" | "twilio"
     started: float = field(default_factory=time.time)
     task: PipelineWorker | None = None
-    # Run at shutdown before the task is cancelled, e.g. to close a socket with a reason.
-    on_shutdown: Callable[[], Awaitable[None]] | None = None
     runner: asyncio.Task | None = None
 
 
@@ -37,7 +35,7 @@ class CallRegistry:
     def __init__(self, max_calls: int):
         self.max_calls = max_calls
         self.active: dict[str, ActiveCall] = {}
-        self.completed = 0
+        self._background: set[asyncio.Task] = set()
 
     def reserve(self, kind: str) -> ActiveCall:
         if len(self.active) >= self.max_calls:
@@ -50,8 +48,13 @@ class CallRegistry:
         return call
 
     def release(self, call: ActiveCall) -> None:
-        if self.active.pop(call.call_id, None) is not None:
-            self.completed += 1
+        self.active.pop(call.call_id, None)
+
+    def spawn(self, coro: Coroutine) -> None:
+        """Run `coro` in the background, keeping a reference so it is not collected mid-run."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def run(self, call: ActiveCall, task: PipelineWorker) -> None:
         """Run the call's pipeline until it ends; the slot is freed whatever happens."""
@@ -70,14 +73,8 @@ class CallRegistry:
             logger.info(f"call {call.call_id} ended after {elapsed:.1f} s")
 
     async def end_all(self, grace_s: float = 3.0) -> None:
-        """Shutdown: tell every peer the call is over, then stop every pipeline."""
+        """Shutdown: stop every pipeline still running (each transport then closes its peer)."""
         calls = list(self.active.values())
-        for call in calls:
-            if call.on_shutdown is not None:
-                try:
-                    await call.on_shutdown()
-                except Exception as exc:  # a peer that vanished must not stop the others' end
-                    logger.warning(f"call {call.call_id}: shutdown notice failed: {exc}")
         for call in calls:
             if call.task is not None:
                 await call.task.cancel()

@@ -19,6 +19,7 @@ is logged; only that call ends.
 | start without streamSid, or not μ-law 8000 Hz mono | 1003 | unsupported media format / ... |
 | media payload that is not base64 | 1007 | media payload is not valid base64 |
 | a streamSid other than the call's | 1002 | streamSid mismatch |
+| `mark` without a name, `dtmf` without a digit | 1007 | mark/dtmf event without ... |
 | `stop` | 1000 | stream stopped |
 """
 
@@ -47,7 +48,6 @@ class ProtocolViolation(Exception):
 class StreamStart:
     stream_sid: str
     call_sid: str | None
-    account_sid: str | None
     custom_parameters: dict = field(default_factory=dict)
 
 
@@ -56,8 +56,9 @@ def parse(raw: dict, max_bytes: int) -> dict:
     if raw.get("bytes") is not None:
         raise ProtocolViolation(1003, "binary frames are not part of Media Streams")
     text = raw.get("text") or ""
-    if len(text) > max_bytes:
-        raise ProtocolViolation(1009, f"message too big: {len(text)} > {max_bytes} bytes")
+    size = len(text.encode())
+    if size > max_bytes:
+        raise ProtocolViolation(1009, f"message too big: {size} > {max_bytes} bytes")
     try:
         message = json.loads(text)
     except json.JSONDecodeError:
@@ -84,7 +85,8 @@ def parse_start(message: dict) -> StreamStart:
     params = start.get("customParameters") or {}
     if not isinstance(params, dict):
         raise ProtocolViolation(1002, "customParameters must be an object")
-    return StreamStart(sid, start.get("callSid"), start.get("accountSid"), params)
+    call_sid = start.get("callSid")
+    return StreamStart(sid, call_sid if isinstance(call_sid, str) else None, params)
 
 
 def check_in_call(message: dict, stream_sid: str) -> None:
@@ -103,6 +105,10 @@ def check_in_call(message: dict, stream_sid: str) -> None:
             base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolViolation(1007, "media payload is not valid base64") from None
+    for name, key in (("mark", "name"), ("dtmf", "digit")):
+        body = message.get(name)
+        if event == name and not (isinstance(body, dict) and isinstance(body.get(key), str)):
+            raise ProtocolViolation(1007, f"{name} event without a {key}")
 
 
 class MediaStreamSocket:
@@ -114,7 +120,7 @@ class MediaStreamSocket:
         self._ws = ws
         self._max_bytes = max_bytes
         self.start: StreamStart | None = None
-        self.marks_played: list[str] = []  # our marks Twilio echoed: bot audio the caller heard
+        self.marks_played = 0  # our marks Twilio echoed: utterances the caller heard to the end
         self.close_reason: tuple[int, str] | None = None
 
     def __getattr__(self, name):  # everything but receive/close is the plain WebSocket
@@ -147,8 +153,7 @@ class MediaStreamSocket:
             await self.close(1000, "stream stopped")
             return {"type": "websocket.disconnect", "code": 1000}
         if message["event"] == "mark":
-            name = (message.get("mark") or {}).get("name")
-            self.marks_played.append(str(name))
+            self.marks_played += 1
         return raw
 
     async def close(self, code: int = 1000, reason: str | None = None) -> None:
@@ -164,5 +169,5 @@ class MediaStreamSocket:
         if self._ws.application_state == WebSocketState.CONNECTED:
             try:
                 await self._ws.close(code, short)
-            except RuntimeError:  # the peer's close crossed ours
-                pass
+            except Exception as exc:  # the peer's close crossed ours, or it vanished
+                logger.debug(f"twilio stream {sid}: close failed: {exc!r}")

@@ -9,7 +9,7 @@ from pipecat.transports.smallwebrtc.request_handler import SmallWebRTCRequestHan
 from voiceagent.config import Config
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.records import TurnRecords
-from voiceagent.server.calls import CallRegistry
+from voiceagent.server.calls import ActiveCall, CallRegistry
 
 
 @dataclass
@@ -21,7 +21,9 @@ class ServerState:
     load_error: str | None = None
     loading_step: str = "starting"
     webrtc: SmallWebRTCRequestHandler = field(default_factory=SmallWebRTCRequestHandler)
-    webrtc_calls: dict = field(default_factory=dict)  # pc_id -> ActiveCall
+    webrtc_calls: dict[str, ActiveCall] = field(default_factory=dict)  # by pc_id
+    handshakes: int = 0  # Twilio sockets waiting for their `start`
+    stopped: bool = False  # lifespan shutdown has run
 
     @property
     def ready(self) -> bool:

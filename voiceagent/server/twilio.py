@@ -29,6 +29,7 @@ from voiceagent.server.calls import ServerBusy
 from voiceagent.server.media_streams import MediaStreamSocket, ProtocolViolation, StreamStart
 from voiceagent.server.state import ServerState
 
+START_TIMEOUT_S = 10.0  # Twilio sends `start` right after connecting
 PIPELINE_IN_RATE = 16000  # VAD and Whisper run at 16 kHz; the serializer upsamples 8 kHz
 TWILIO_RATE = 8000  # TTS resamples straight to the line rate
 
@@ -64,14 +65,26 @@ async def twilio_stream(ws: WebSocket) -> None:
     if not twilio_signature_ok(ws, limits.twilio_auth_token, limits.public_url):
         await sock.close(1008, "invalid Twilio signature")
         return
+    early = presented_token(ws)  # a header or query token can be refused before `start`
+    if early is not None and not token_ok(limits.token, early):
+        await sock.close(1008, "unauthorized: missing or wrong token")
+        return
+    # Sockets that have not yet said who they are: bounded in number and time.
+    if server.handshakes >= 2 * limits.max_calls:
+        await sock.close(1013, "server busy: too many connections waiting to start")
+        return
+    timeout_s = min(START_TIMEOUT_S, limits.idle_timeout_s)
+    server.handshakes += 1
     try:
-        start = await asyncio.wait_for(sock.handshake(), limits.idle_timeout_s)
+        start = await asyncio.wait_for(sock.handshake(), timeout_s)
     except ProtocolViolation as v:
         await sock.close(v.code, v.reason)
         return
     except asyncio.TimeoutError:
-        await sock.close(1000, f"idle timeout: no start within {limits.idle_timeout_s:g} s")
+        await sock.close(1000, f"idle timeout: no start within {timeout_s:g} s")
         return
+    finally:
+        server.handshakes -= 1
     if not token_ok(limits.token, presented_token(ws, start.custom_parameters.get("token"))):
         await sock.close(1008, "unauthorized: missing or wrong token")
         return
@@ -113,17 +126,13 @@ async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamS
         await pipeline.task.cancel()
 
     def on_idle() -> None:
-        asyncio.get_running_loop().create_task(
-            end(1000, f"idle timeout: no audio for {timeout_s:g} s")
-        )
+        server.calls.spawn(end(1000, f"idle timeout: no audio for {timeout_s:g} s"))
 
     marks = UtteranceMarks(start.stream_sid)
     pipeline = build_call(
         server.cfg, server.shared, transport, server.records.add, call_id=call.call_id,
         after_input=[IdleWatchdog(timeout_s, on_idle)], before_output=[marks],
     )
-    call.on_shutdown = lambda: sock.close(1001, "server shutting down")
-
     @transport.event_handler("on_client_disconnected")
     async def _gone(_transport, _ws):
         await pipeline.task.cancel()
@@ -133,5 +142,5 @@ async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamS
     pipeline.clocks.flush()
     logger.info(
         f"twilio call {call.call_id}: {marks.sent} utterance(s) sent, "
-        f"{len(sock.marks_played)} heard to the end"
+        f"{sock.marks_played} heard to the end"
     )

@@ -38,11 +38,11 @@ async def _checked_body(request: Request, server: ServerState) -> dict:
     if not token_ok(server.cfg.server.token, presented_token(request)):
         raise HTTPException(401, "unauthorized: missing or wrong token")
     limit = server.cfg.server.max_message_bytes
-    if int(request.headers.get("content-length") or 0) > limit:
-        raise HTTPException(413, f"request too big: over {limit} bytes")
-    body = await request.body()
-    if len(body) > limit:
-        raise HTTPException(413, f"request too big: {len(body)} > {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():  # chunked bodies have no Content-Length to trust
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"request too big: over {limit} bytes")
     try:
         data = json.loads(body)
     except json.JSONDecodeError:
@@ -63,7 +63,7 @@ async def offer(request: Request):
     if not isinstance(req.sdp, str) or req.type != "offer":
         raise HTTPException(400, "bad offer: need 'sdp' (a string) and type 'offer'")
     if req.pc_id in server.webrtc_calls:  # renegotiation of a call in progress
-        return await server.webrtc.handle_web_request(req, _no_new_call)
+        return await _renegotiate(server, req)
     if not server.ready:
         raise HTTPException(503, "models still loading, try again shortly",
                             headers={"Retry-After": "5"})
@@ -72,19 +72,22 @@ async def offer(request: Request):
     except ServerBusy as exc:
         raise HTTPException(503, str(exc), headers={"Retry-After": "10"}) from None
 
+    connections: list[SmallWebRTCConnection] = []
+
     async def start(connection: SmallWebRTCConnection) -> None:
+        connections.append(connection)
         _start_call(server, call, connection)
 
     try:
         answer = await server.webrtc.handle_web_request(req, start)
+        if call.runner is None:  # building the pipeline failed: pipecat logged why
+            raise RuntimeError("could not start the call")
     except Exception as exc:
-        server.calls.release(call)
+        await _abandon(server, call, connections)
         raise HTTPException(400, f"bad offer: {exc}") from None
-    if call.runner is None:  # the pipeline could not be built: logged by the handler
-        server.calls.release(call)
-        raise HTTPException(500, "could not start the call")
-    server.webrtc_calls[answer["pc_id"]] = call
-    call.runner.add_done_callback(lambda _: server.webrtc_calls.pop(answer["pc_id"], None))
+    pc_id = answer["pc_id"]
+    server.webrtc_calls[pc_id] = call
+    call.runner.add_done_callback(lambda _: server.webrtc_calls.pop(pc_id, None))
     return answer
 
 
@@ -97,14 +100,38 @@ async def ice_candidates(request: Request):
             pc_id=data["pc_id"],
             candidates=[IceCandidate(**c) for c in data.get("candidates", [])],
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise HTTPException(400, f"bad candidates: {exc}") from None
-    await server.webrtc.handle_patch_request(patch)  # 404 for an unknown pc_id
+    try:
+        await server.webrtc.handle_patch_request(patch)
+    except HTTPException:  # 404: an unknown pc_id
+        raise
+    except Exception as exc:  # aiortc's candidate parser on a malformed candidate line
+        raise HTTPException(400, f"bad candidate: {exc}") from None
     return {"status": "ok"}
 
 
-async def _no_new_call(_connection) -> None:
-    raise RuntimeError("renegotiation must not start a call")
+async def _renegotiate(server: ServerState, req: SmallWebRTCRequest) -> dict:
+    call = server.webrtc_calls[req.pc_id]
+    if call.runner is None or call.runner.done():
+        raise HTTPException(409, "that call has ended; start a new one without pc_id")
+
+    async def no_new_call(connection: SmallWebRTCConnection) -> None:
+        await connection.disconnect()  # pipecat made a new connection: the old one had closed
+
+    try:
+        return await server.webrtc.handle_web_request(req, no_new_call)
+    except Exception as exc:
+        raise HTTPException(400, f"bad renegotiation offer: {exc}") from None
+
+
+async def _abandon(server: ServerState, call: ActiveCall, connections: list) -> None:
+    """Undo a call that failed to start: its pipeline, its peer connection and its slot."""
+    if call.task is not None:
+        await call.task.cancel()
+    for connection in connections:
+        await connection.disconnect()
+    server.calls.release(call)
 
 
 def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCConnection) -> None:
@@ -117,11 +144,11 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
     def on_turn(record: TurnRecord) -> None:
         server.records.add(record)
         message = RTVIServerMessageFrame(data=turn_message(record))
-        asyncio.get_running_loop().create_task(pipeline.task.queue_frame(message))
+        server.calls.spawn(pipeline.task.queue_frame(message))
 
     def on_idle() -> None:
         logger.info(f"webrtc call {call.call_id}: idle timeout")
-        asyncio.get_running_loop().create_task(pipeline.task.cancel())
+        server.calls.spawn(pipeline.task.cancel())
 
     pipeline = build_call(
         server.cfg, server.shared, transport, on_turn, call_id=call.call_id,
@@ -132,6 +159,7 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
     async def _gone(_transport, _connection):
         await pipeline.task.cancel()
 
+    call.task = pipeline.task
     call.runner = asyncio.get_running_loop().create_task(server.calls.run(call, pipeline.task))
 
 
