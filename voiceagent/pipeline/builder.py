@@ -14,6 +14,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# pipecat imports this (and the openai SDK, 0.4 s) lazily when the first LLM service is built:
+# on the event loop, during the first call. Import it with the rest instead.
+import pipecat.adapters.llm.services.open_ai_adapter  # noqa: F401
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.aggregators.llm_context import LLMContext
@@ -50,8 +53,8 @@ class SharedModels:
 
 
 def load_shared(cfg: Config, progress: Callable[[str], None] = print) -> SharedModels:
-    """Load the LLM and start its engine thread; warm the per-process ASR and TTS models so the
-    first call does not pay their load."""
+    """Load the LLM and start its engine thread; warm the per-process ASR, TTS and VAD models so
+    the first call does not pay their load."""
     llm = build_runtime(cfg.engine, cfg.paths.cache_dir, progress)
     asr = resolve(cfg.asr.model, "asr")
     progress(f"loading ASR {cfg.asr.model} ...")
@@ -59,6 +62,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print) -> SharedM
     tts = resolve(cfg.tts.voice, "tts")
     progress(f"loading TTS voice {cfg.tts.voice} ...")
     shared_piper_voice(str(tts.location), cfg.tts.use_cuda)
+    make_vad(cfg.vad)  # loads the shared Silero session
     return SharedModels(llm=llm, engine=llm.serve())
 
 

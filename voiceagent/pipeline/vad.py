@@ -1,17 +1,30 @@
 """Silero VAD for pipecat, running the model that ships in the `silero-vad` package.
 
 pipecat's SileroVADAnalyzer loads the copy of silero_vad.onnx bundled inside pipecat. We keep its
-windowing and its state-reset policy and only swap the model file, so the model we run is the
-one the registry names (and the one `voiceagent doctor` reports).
+windowing and its state-reset policy and only swap the model, so the model we run is the one the
+registry names (and the one `voiceagent doctor` reports).
+
+The ONNX session is created once per process and shared (onnxruntime's Run is thread-safe, and
+Silero's recurrent state lives in each call's SileroOnnxModel, not in the session): creating one
+took about 25 ms, and a call's pipeline is built on the event loop, where it stalls every other
+call's audio.
 """
 
 from __future__ import annotations
 
+import copy
+from functools import lru_cache
+
 from pipecat.audio.vad.silero import SileroOnnxModel, SileroVADAnalyzer
-from pipecat.audio.vad.vad_analyzer import VADParams
+from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams
 
 from audio.config import VADConfig
 from voiceagent.models import resolve
+
+
+@lru_cache(maxsize=4)
+def _shared_model(onnx_path: str) -> SileroOnnxModel:
+    return SileroOnnxModel(onnx_path, force_onnx_cpu=True)
 
 
 class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
@@ -19,9 +32,14 @@ class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
 
     def __init__(self, onnx_path: str, *, sample_rate: int | None = None,
                  params: VADParams | None = None):
-        super().__init__(sample_rate=sample_rate, params=params)
+        # SileroVADAnalyzer.__init__ would load pipecat's bundled model: set up what it sets up,
+        # with our model instead.
+        VADAnalyzer.__init__(self, sample_rate=sample_rate, params=params)
         self.model_path = onnx_path
-        self._model = SileroOnnxModel(onnx_path, force_onnx_cpu=True)
+        self._model = copy.copy(_shared_model(onnx_path))  # shares the session only
+        self._model.reset_states()
+        self._windows_since_reset = 0
+        self._low_confidence_windows = 0
 
 
 def vad_params(cfg: VADConfig) -> VADParams:
@@ -36,4 +54,4 @@ def vad_params(cfg: VADConfig) -> VADParams:
 def make_vad(cfg: VADConfig, sample_rate: int | None = None) -> RegistrySileroVADAnalyzer:
     """The VAD analyzer for a pipecat VADProcessor (or a transport's input)."""
     path = resolve(cfg.model, "vad").location
-    return RegistrySileroVADAnalyzer(path, sample_rate=sample_rate, params=vad_params(cfg))
+    return RegistrySileroVADAnalyzer(str(path), sample_rate=sample_rate, params=vad_params(cfg))
