@@ -9,9 +9,7 @@ ITL (clock 2) p50, barge-in -> bot silent, and the median breakdown.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,7 @@ import yaml
 
 from audio.loaders import load_piper
 from audio.synth import silence, synthesize
-from voiceagent.bench_report import percentile
+from voiceagent.bench_report import percentile, save_results, utc_stamp
 from voiceagent.call import RATE, simulate_call
 from voiceagent.config import REPO_ROOT, Config
 from voiceagent.models import resolve
@@ -120,15 +118,11 @@ def run_call_bench(cfg: Config, args) -> int:
     modes = [m.strip() for m in (args.modes or "off,ngram").split(",") if m.strip()]
     turns = asyncio.run(_run(cfg, script, modes, args.repeats))
     summary = {m: summarise(t) for m, t in turns.items()}
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    stamp = utc_stamp()
     header = (f"# Call benchmark\n\n- {stamp}, script {script_path.name} v{script.get('version')},"
               f" modes {', '.join(modes)}, {args.repeats} repeat(s), target "
               f"`{cfg.engine.target}`\n\n")
     markdown = header + render(summary) + "\n"
-    (out / f"call-{stamp}.md").write_text(markdown)
-    (out / f"call-{stamp}.json").write_text(json.dumps(
-        {"summary": summary, "turns": turns, "config": cfg.model_dump(mode="json")}, indent=1))
-    print(markdown)
+    save_results(args.out, "call", stamp, markdown,
+                 {"summary": summary, "turns": turns, "config": cfg.model_dump(mode="json")})
     return 0

@@ -12,10 +12,13 @@ Nothing here touches a model or a clock, so the tests feed it hand-made numbers.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from itertools import pairwise
+from pathlib import Path
 
 REFERENCE = "off"  # the mode every ratio and the losslessness check compare against
 # (faster mode, slower-or-equal baseline) pairs for ratio (c): our proposer against HF's.
@@ -376,3 +379,16 @@ def _lossless_lines(lossless: dict) -> list[str]:
         ) or "–"
         lines.append(f"| {mode} | {kind} | {e['compared']} | {e['mismatches']} | {where} |")
     return [*lines, ""]
+
+
+def utc_stamp() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def save_results(out: str | Path, name: str, stamp: str, markdown: str, data: dict) -> None:
+    """Write <out>/<name>-<stamp>.md and .json, and print the Markdown."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}-{stamp}.md").write_text(markdown)
+    (out / f"{name}-{stamp}.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
+    print(markdown)

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 from audio.synth import synthesize
-from voiceagent.bench_report import percentile
+from voiceagent.bench_report import percentile, save_results, utc_stamp
 from voiceagent.config import Config
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
@@ -169,13 +166,9 @@ def run_serve_bench(cfg: Config, args) -> int:
         result = asyncio.run(Bench(cfg, shared, say).run(args.turns, concurrency, args.soak))
     finally:
         shared.close()
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    stamp = utc_stamp()
     markdown = (f"# Server benchmark (Twilio Media Streams)\n\n- {stamp}, target "
                 f"`{cfg.engine.target}`, speculation {cfg.engine.speculation.method}, "
                 f"{time.monotonic() - t0:.0f} s\n\n{render(result)}\n")
-    (out / f"serve-{stamp}.md").write_text(markdown)
-    (out / f"serve-{stamp}.json").write_text(json.dumps(result, indent=1))
-    print(markdown)
+    save_results(args.out, "serve", stamp, markdown, result)
     return 0

@@ -10,3 +10,7 @@ __all__ = ["server_config", "serving"]
 
 def server_config(tmp_path, *overrides: str) -> Config:
     return load_config(None, [f"paths.runs_dir={tmp_path}/runs", *overrides])
+
+
+def twilio_url(base: str) -> str:
+    return base.replace("http://", "ws://") + "/telephony/twilio"

@@ -11,7 +11,7 @@ import pytest
 
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving
-from voiceagent.pipeline.builder import load_shared
+from tests.voiceagent.serving import twilio_url as ws_url
 from voiceagent.twilio_caller import TwilioCaller
 
 pytestmark = pytest.mark.slow
@@ -44,17 +44,6 @@ BAD_INPUT = {
 WRONG_RATE = {"encoding": "audio/x-mulaw", "sampleRate": 16000, "channels": 1}
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    models = load_shared(server_config(tmp_path_factory.mktemp("m")), progress=lambda _: None)
-    yield models
-    models.close()
-
-
-def ws_url(base: str) -> str:
-    return base.replace("http://", "ws://") + "/telephony/twilio"
-
-
 async def _bad_client(base: str, name: str) -> tuple[int | None, str]:
     started, message, _code, _reason = BAD_INPUT[name]
     async with TwilioCaller(ws_url(base)) as caller:
@@ -73,16 +62,16 @@ async def _healthy(base: str) -> bool:
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUT))
-async def test_bad_message_closes_with_its_code_and_reason(tmp_path, shared, name):
-    async with serving(server_config(tmp_path), shared) as (app, base):
+async def test_bad_message_closes_with_its_code_and_reason(tmp_path, models, name):
+    async with serving(server_config(tmp_path), models) as (app, base):
         code, reason = await _bad_client(base, name)
         assert (code, reason[: len(BAD_INPUT[name][3])]) == BAD_INPUT[name][2:]
         assert await _healthy(base)
         assert not app.state.server.calls.active, "a refused call kept its slot"
 
 
-async def test_a_wrong_sample_rate_is_refused_at_start(tmp_path, shared):
-    async with serving(server_config(tmp_path), shared) as (_app, base):
+async def test_a_wrong_sample_rate_is_refused_at_start(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (_app, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start(media_format=WRONG_RATE, stream=False)
             await caller.wait(lambda r: r.close_code is not None, 5)
@@ -90,8 +79,8 @@ async def test_a_wrong_sample_rate_is_refused_at_start(tmp_path, shared):
         assert "unsupported media format" in caller.received.close_reason
 
 
-async def test_a_good_call_completes_while_bad_clients_are_closed(tmp_path, shared):
-    async with serving(server_config(tmp_path), shared) as (_app, base):
+async def test_a_good_call_completes_while_bad_clients_are_closed(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (_app, base):
         async with TwilioCaller(ws_url(base)) as good:
             await good.start()
             said = asyncio.create_task(good.say(speech("What is the capital of France?")))
@@ -104,8 +93,8 @@ async def test_a_good_call_completes_while_bad_clients_are_closed(tmp_path, shar
         assert await _healthy(base)
 
 
-async def test_a_bad_offer_is_a_400_and_an_unknown_peer_a_404(tmp_path, shared):
-    async with serving(server_config(tmp_path), shared) as (_app, base):
+async def test_a_bad_offer_is_a_400_and_an_unknown_peer_a_404(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (_app, base):
         async with httpx.AsyncClient(base_url=base) as http:
             assert (await http.post("/api/offer", content=b"{nope")).status_code == 400
             bad_sdp = {"sdp": "v=0 garbage", "type": "offer"}
@@ -118,8 +107,8 @@ async def test_a_bad_offer_is_a_400_and_an_unknown_peer_a_404(tmp_path, shared):
         assert await _healthy(base)
 
 
-async def test_the_offer_needs_the_token_when_one_is_set(tmp_path, shared):
-    async with serving(server_config(tmp_path, "server.token=s3cret"), shared) as (_app, base):
+async def test_the_offer_needs_the_token_when_one_is_set(tmp_path, models):
+    async with serving(server_config(tmp_path, "server.token=s3cret"), models) as (_app, base):
         async with httpx.AsyncClient(base_url=base) as http:
             offer = {"sdp": "v=0 garbage", "type": "offer"}
             assert (await http.post("/api/offer", json=offer)).status_code == 401

@@ -8,7 +8,7 @@ import pytest
 
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving
-from voiceagent.pipeline.builder import load_shared
+from tests.voiceagent.serving import twilio_url as ws_url
 from voiceagent.twilio_caller import TwilioCaller
 
 pytestmark = pytest.mark.slow
@@ -18,23 +18,12 @@ REPLY_TIMEOUT_S = 45  # a generous bound on one reply on a busy 2-core machine
 BARGE_IN_CLEAR_BOUND_S = 1.5  # caller speech onset -> `clear`: VAD start_secs (0.2 s) + slack
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    models = load_shared(server_config(tmp_path_factory.mktemp("m")), progress=lambda _: None)
-    yield models
-    models.close()
-
-
-def ws_url(base: str) -> str:
-    return base.replace("http://", "ws://") + "/telephony/twilio"
-
-
 def _replied_after(t: float):
     return lambda r: r.media_after(t) is not None and r.marks
 
 
-async def test_a_call_hears_the_bot_and_gets_a_mark_after_its_utterance(tmp_path, shared):
-    async with serving(server_config(tmp_path), shared) as (app, base):
+async def test_a_call_hears_the_bot_and_gets_a_mark_after_its_utterance(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (app, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start()
             said = await caller.say(speech(QUESTION))
@@ -51,8 +40,8 @@ async def test_a_call_hears_the_bot_and_gets_a_mark_after_its_utterance(tmp_path
         assert record.clocks["turn_end_to_first_audio_ms"] > 0
 
 
-async def test_barge_in_gets_a_clear_within_the_bound(tmp_path, shared):
-    async with serving(server_config(tmp_path), shared) as (_app, base):
+async def test_barge_in_gets_a_clear_within_the_bound(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (_app, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start()
             said = await caller.say(speech("Tell me a long story about a brave little dragon."))
@@ -67,9 +56,9 @@ async def test_barge_in_gets_a_clear_within_the_bound(tmp_path, shared):
             await caller.hang_up()
 
 
-async def test_a_call_without_the_token_is_closed_with_1008(tmp_path, shared):
+async def test_a_call_without_the_token_is_closed_with_1008(tmp_path, models):
     cfg = server_config(tmp_path, "server.token=s3cret")
-    async with serving(cfg, shared) as (_app, base):
+    async with serving(cfg, models) as (_app, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start(stream=False)
             await caller.wait(lambda r: r.close_code is not None, 5)
@@ -78,27 +67,27 @@ async def test_a_call_without_the_token_is_closed_with_1008(tmp_path, shared):
 
 
 @pytest.mark.parametrize("token", ["wrong", 12345], ids=["wrong", "not a string"])
-async def test_a_call_with_a_bad_token_is_closed_with_1008(tmp_path, shared, token):
+async def test_a_call_with_a_bad_token_is_closed_with_1008(tmp_path, models, token):
     cfg = server_config(tmp_path, "server.token=s3cret")
-    async with serving(cfg, shared) as (_app, base):
+    async with serving(cfg, models) as (_app, base):
         async with TwilioCaller(ws_url(base), custom_parameters={"token": token}) as caller:
             await caller.start(stream=False)
             await caller.wait(lambda r: r.close_code is not None, 5)
         assert caller.received.close_code == 1008
 
 
-async def test_a_wrong_bearer_token_is_refused_before_start(tmp_path, shared):
+async def test_a_wrong_bearer_token_is_refused_before_start(tmp_path, models):
     cfg = server_config(tmp_path, "server.token=s3cret")
-    async with serving(cfg, shared) as (_app, base):
+    async with serving(cfg, models) as (_app, base):
         headers = {"Authorization": "Bearer nope"}
         async with TwilioCaller(ws_url(base), headers=headers) as caller:
             await caller.wait(lambda r: r.close_code is not None, 5)  # sends nothing at all
         assert caller.received.close_code == 1008
 
 
-async def test_a_call_with_the_token_in_custom_parameters_is_admitted(tmp_path, shared):
+async def test_a_call_with_the_token_in_custom_parameters_is_admitted(tmp_path, models):
     cfg = server_config(tmp_path, "server.token=s3cret")
-    async with serving(cfg, shared) as (app, base):
+    async with serving(cfg, models) as (app, base):
         async with TwilioCaller(ws_url(base), token="s3cret") as caller:
             await caller.start()
             assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
@@ -106,11 +95,11 @@ async def test_a_call_with_the_token_in_custom_parameters_is_admitted(tmp_path, 
             await caller.hang_up()
 
 
-async def test_twilio_signature_is_required_when_an_auth_token_is_set(tmp_path, shared):
+async def test_twilio_signature_is_required_when_an_auth_token_is_set(tmp_path, models):
     from twilio.request_validator import RequestValidator
 
     cfg = server_config(tmp_path, "server.twilio_auth_token=tw-auth")
-    async with serving(cfg, shared) as (app, base):
+    async with serving(cfg, models) as (app, base):
         async with TwilioCaller(ws_url(base)) as unsigned:
             await unsigned.start(stream=False)
             await unsigned.wait(lambda r: r.close_code is not None, 5)
@@ -124,22 +113,22 @@ async def test_twilio_signature_is_required_when_an_auth_token_is_set(tmp_path, 
             await signed.hang_up()
 
 
-async def test_the_signature_is_checked_against_the_public_url(tmp_path, shared):
+async def test_the_signature_is_checked_against_the_public_url(tmp_path, models):
     from twilio.request_validator import RequestValidator
 
     cfg = server_config(tmp_path, "server.twilio_auth_token=tw-auth",
                         "server.public_url=https://voice.example.com")
     public = "wss://voice.example.com/telephony/twilio"  # what Twilio connected to, and signed
     signature = RequestValidator("tw-auth").compute_signature(public, {})
-    async with serving(cfg, shared) as (app, base):
+    async with serving(cfg, models) as (app, base):
         async with TwilioCaller(ws_url(base), headers={"X-Twilio-Signature": signature}) as c:
             await c.start()
             assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
             await c.hang_up()
 
 
-async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on(tmp_path, shared):
-    async with serving(server_config(tmp_path, "server.max_calls=1"), shared) as (app, base):
+async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on(tmp_path, models):
+    async with serving(server_config(tmp_path, "server.max_calls=1"), models) as (app, base):
         async with TwilioCaller(ws_url(base)) as first:
             await first.start()
             assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
@@ -153,8 +142,8 @@ async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on
             await first.hang_up()
 
 
-async def test_a_silent_peer_is_closed_after_the_idle_timeout(tmp_path, shared):
-    async with serving(server_config(tmp_path, "server.idle_timeout_s=1"), shared) as (_, base):
+async def test_a_silent_peer_is_closed_after_the_idle_timeout(tmp_path, models):
+    async with serving(server_config(tmp_path, "server.idle_timeout_s=1"), models) as (_, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start(stream=False)  # start, then nothing: a dead leg
             await caller.wait(lambda r: r.close_code is not None, 10)
@@ -162,9 +151,9 @@ async def test_a_silent_peer_is_closed_after_the_idle_timeout(tmp_path, shared):
         assert caller.received.close_reason.startswith("idle timeout")
 
 
-async def test_three_simultaneous_calls_each_get_a_reply(tmp_path, shared):
+async def test_three_simultaneous_calls_each_get_a_reply(tmp_path, models):
     questions = [QUESTION, "How far away is the moon?", "What colour is the sky?"]
-    async with serving(server_config(tmp_path), shared) as (app, base):
+    async with serving(server_config(tmp_path), models) as (app, base):
 
         async def one_call(question: str) -> float:
             async with TwilioCaller(ws_url(base)) as caller:
