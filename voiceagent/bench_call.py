@@ -17,15 +17,14 @@ import yaml
 
 from audio.loaders import load_piper
 from audio.synth import silence, synthesize
-from voiceagent.bench_report import percentile, save_results, utc_stamp
+from voiceagent.bench_report import save_results, utc_stamp
 from voiceagent.call import RATE, simulate_call
 from voiceagent.config import REPO_ROOT, Config
+from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
 
 DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v1.yaml"
-BREAKDOWN = ("vad_hangover_ms", "asr_final_ms", "prefill_ms", "first_token_ms",
-             "first_clause_ms", "tts_first_chunk_ms")
 
 
 def caller_audio(voice, turns: list[dict]) -> np.ndarray:
@@ -33,32 +32,6 @@ def caller_audio(voice, turns: list[dict]) -> np.ndarray:
     for turn in turns:
         parts += [synthesize(voice, turn["say"], RATE), silence(float(turn["then"]))]
     return np.concatenate(parts)
-
-
-def summarise(turns: list[dict]) -> dict:
-    """Pool one mode's turn records into the figures of the comparison."""
-    def values(get) -> list[float]:
-        return [v for t in turns if (v := get(t)) is not None]
-
-    clock3 = values(lambda t: t["clocks"]["turn_end_to_first_audio_ms"])
-    clock1 = values(lambda t: t["clocks"]["request_to_first_token_ms"])
-    itl = [x for t in turns for x in (t["engine"].get("itl_ms") or [])]
-    barge = values(lambda t: t["barge_in_to_silence_ms"])
-    accepted = values(lambda t: t["engine"].get("mean_accepted_per_step"))
-    def p50_p95(xs: list[float]) -> dict:
-        return {"p50": percentile(xs, 50), "p95": percentile(xs, 95)}
-
-    return {
-        "turns": len(turns),
-        "interrupted": sum(t["interrupted"] for t in turns),
-        "turn_end_to_first_audio_ms": p50_p95(clock3),
-        "request_to_first_token_ms": p50_p95(clock1),
-        "itl_ms": p50_p95(itl),
-        "barge_in_to_silence_ms": {"p50": percentile(barge, 50), "max": max(barge, default=None)},
-        "mean_accepted_per_step": float(np.mean(accepted)) if accepted else None,
-        "breakdown_p50_ms": {k: percentile(values(lambda t, k=k: t["breakdown"][k]), 50)
-                             for k in BREAKDOWN},
-    }
 
 
 def _f(x) -> str:

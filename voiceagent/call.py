@@ -18,7 +18,8 @@ from pipecat.frames.frames import EndFrame
 from pipecat.workers.runner import WorkerRunner
 
 from audio.wav import read_wav, write_wav
-from voiceagent.config import Config
+from voiceagent.config import Config, config_hash, store_path
+from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore
 from voiceagent.pipeline.builder import SharedModels, build_call, load_shared
 from voiceagent.pipeline.clocks import TurnRecord
 from voiceagent.pipeline.records import JsonlTurnSink, TurnRecords
@@ -49,8 +50,13 @@ async def simulate_call(
     """Run one call with `audio` (int16 mono at RATE) as the caller; return its turns."""
     transport = WavCallTransport(audio, RATE, RATE, realtime=realtime)
     sink = JsonlTurnSink(cfg.paths.runs_dir)
-    records = TurnRecords([sink])
+    store = SQLiteTurnStore(store_path(cfg), transcripts=cfg.store.transcripts)
+    records = TurnRecords([sink, store])
     call = build_call(cfg, shared, transport, records.add, method=method)
+    store.start_call(CallInfo(
+        call.call_id, "simulated", time.time(), method or cfg.engine.speculation.method,
+        config_hash(cfg), shared.llm.card.card_hash,
+    ))
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(call.task)
     run = asyncio.create_task(runner.run())
@@ -62,6 +68,7 @@ async def simulate_call(
         if not run.done():
             await call.task.cancel()
         call.clocks.flush()
+        store.end_call(call.call_id, time.time())
         records.close()
     seconds = max(len(audio) / RATE, transport.clock.now())
     bot = transport.output().timeline(seconds)

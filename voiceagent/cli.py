@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="check the environment and load every configured model")
     _config_args(p)
+
+    p = sub.add_parser("report", help="the dashboard's figures as a static HTML or Markdown "
+                       "report with PNG plots, from the turn store")
+    _config_args(p)
+    p.add_argument("--out", required=True,
+                   help="report file, .html or .md; the plots go to <stem>_files/ beside it")
+    p.add_argument("--since", help="only turns since an ISO date/time (2026-11-30, "
+                   "2026-11-30T06:00, local time) or a duration back from now (90m, 24h, 7d); "
+                   "default: all turns")
     return parser
 
 
@@ -131,9 +140,15 @@ def cmd_call(args: argparse.Namespace) -> int:
     return run_call(load_config(args.config, args.overrides), args)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from voiceagent.report import run_report
+
+    return run_report(load_config(args.config, args.overrides), args)
+
+
 COMMANDS = {
     "serve": cmd_serve, "call": cmd_call, "doctor": cmd_doctor,
-    "chat": cmd_chat, "bench": cmd_bench,
+    "chat": cmd_chat, "bench": cmd_bench, "report": cmd_report,
 }
 
 

@@ -8,6 +8,7 @@ valid choices.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import typing
 from pathlib import Path
@@ -54,6 +55,17 @@ class AgentConfig(BaseModel):
     )
 
 
+class StoreConfig(BaseModel):
+    """The durable turn store the dashboard and `voiceagent report` read."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    path: str | None = None  # SQLite file; default <paths.runs_dir>/turns.sqlite
+    # Store (and so show on the dashboard) what the caller and the bot said; false keeps only
+    # the clocks and the engine stats.
+    transcripts: bool = True
+
+
 class PathsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -70,7 +82,17 @@ class Config(BaseModel):
     vad: VADConfig = Field(default_factory=VADConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
+
+
+def store_path(cfg: Config) -> Path:
+    return Path(cfg.store.path or Path(cfg.paths.runs_dir) / "turns.sqlite").expanduser()
+
+
+def config_hash(cfg: Config) -> str:
+    """A short stable hash of the whole config, stored with each call (what ran it)."""
+    return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -235,6 +235,7 @@ class ClocksObserver(BaseObserver):
                 "turn_end_to_first_audio_ms": _ms(turn.turn_end_ns, turn.first_audio_ns),
             },
             breakdown={
+                "user_speech_ms": _ms(turn.started_ns, turn.turn_end_ns),
                 "vad_hangover_ms": turn.hangover_s * 1000 if turn.vad_stop_ns else None,
                 "asr_final_ms": turn.asr_final_ms,
                 "transcript_to_request_ms": _ms(turn.transcript_ns, turn.request_ns),

@@ -1,12 +1,11 @@
 """Where turn records go: the one interface the server and the dashboard read them through.
 
-`TurnRecords.add` is called on the event loop by the clocks observer; it never blocks: file
-writes happen on a writer thread, and live listeners get the record through an asyncio queue.
+`TurnRecords.add` is called on the event loop by the clocks observer; it never blocks: sinks
+queue their writes (files, the SQLite store) or only update memory (metrics, live events).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import queue
 import threading
@@ -18,7 +17,7 @@ from voiceagent.pipeline.clocks import TurnRecord
 
 
 class TurnSink(Protocol):
-    """Durable storage of finished turns (JSONL now; the dashboard issue adds SQLite)."""
+    """Where finished turns go: JSONL files, the SQLite turn store, metrics, live events."""
 
     def write(self, record: TurnRecord) -> None: ...
 
@@ -52,28 +51,16 @@ class JsonlTurnSink:
 
 
 class TurnRecords:
-    """Turn records of every call in this process: kept in memory, stored, and broadcast."""
+    """Turn records of every call in this process: kept in memory and passed to the sinks."""
 
     def __init__(self, sinks: list[TurnSink] | None = None):
         self.sinks = list(sinks or [])
         self.by_call: dict[str, list[TurnRecord]] = defaultdict(list)
-        self._listeners: set[asyncio.Queue] = set()
 
     def add(self, record: TurnRecord) -> None:
         self.by_call[record.call_id].append(record)
         for sink in self.sinks:
             sink.write(record)
-        for listener in self._listeners:
-            listener.put_nowait(record)
-
-    def listen(self) -> asyncio.Queue:
-        """A queue that receives every record added from now on; `unlisten` it when done."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._listeners.add(q)
-        return q
-
-    def unlisten(self, q: asyncio.Queue) -> None:
-        self._listeners.discard(q)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -18,11 +18,10 @@ from fastapi.staticfiles import StaticFiles
 from loguru import logger
 
 from voiceagent.config import Config
+from voiceagent.dashboard import routes as dashboard
 from voiceagent.pipeline.builder import SharedModels, load_shared
-from voiceagent.pipeline.records import JsonlTurnSink, TurnRecords
 from voiceagent.server import twilio, webrtc
-from voiceagent.server.calls import CallRegistry
-from voiceagent.server.state import ServerState
+from voiceagent.server.state import ServerState, new_state
 
 STATIC = Path(__file__).parent / "static"
 
@@ -33,12 +32,7 @@ def create_app(
     on_load_failed: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The app; with `shared` given (tests), models are the caller's to close."""
-    state = ServerState(
-        cfg=cfg,
-        calls=CallRegistry(cfg.server.max_calls),
-        records=TurnRecords([JsonlTurnSink(cfg.paths.runs_dir)]),
-        shared=shared,
-    )
+    state = new_state(cfg, shared)
     owns_models = shared is None
 
     @asynccontextmanager
@@ -70,9 +64,10 @@ def create_app(
     async def call_page():
         return FileResponse(STATIC / "index.html")
 
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.include_router(dashboard.router)  # before the /static mount: it serves /static/vendor/
     app.include_router(webrtc.router)
     app.include_router(twilio.router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 
 

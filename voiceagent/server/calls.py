@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 
 from loguru import logger
@@ -36,6 +36,12 @@ class CallRegistry:
         self.max_calls = max_calls
         self.active: dict[str, ActiveCall] = {}
         self._background: set[asyncio.Task] = set()
+        # Called with ("started" | "ended" | "failed", call): the store, metrics, live events.
+        self.listeners: list[Callable[[str, ActiveCall], None]] = []
+
+    def _tell(self, event: str, call: ActiveCall) -> None:
+        for listener in self.listeners:
+            listener(event, call)
 
     def reserve(self, kind: str) -> ActiveCall:
         if len(self.active) >= self.max_calls:
@@ -61,14 +67,17 @@ class CallRegistry:
         call.task = task
         call.runner = asyncio.current_task()
         logger.info(f"call {call.call_id} ({call.kind}) started; {len(self.active)} active")
+        self._tell("started", call)
         try:
             runner = WorkerRunner(handle_sigint=False)
             await runner.add_workers(task)
             await runner.run()
         except Exception:
             logger.exception(f"call {call.call_id} failed")
+            self._tell("failed", call)
         finally:
             self.release(call)
+            self._tell("ended", call)
             elapsed = time.time() - call.started
             logger.info(f"call {call.call_id} ended after {elapsed:.1f} s")
 

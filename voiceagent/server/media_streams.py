@@ -116,9 +116,10 @@ class MediaStreamSocket:
     checked first. A violation closes the socket with its code and reason and reads as a
     disconnect, so the transport ends the call the way it ends any hang-up."""
 
-    def __init__(self, ws: WebSocket, max_bytes: int):
+    def __init__(self, ws: WebSocket, max_bytes: int, on_refused=None):
         self._ws = ws
         self._max_bytes = max_bytes
+        self._on_refused = on_refused  # called with the close code of every abnormal close
         self.start: StreamStart | None = None
         self.marks_played = 0  # our marks Twilio echoed: utterances the caller heard to the end
         self.close_reason: tuple[int, str] | None = None
@@ -164,8 +165,11 @@ class MediaStreamSocket:
         short = (reason or "").encode()[:123].decode(errors="ignore")
         self.close_reason = (code, reason or "")
         sid = self.start.stream_sid if self.start else "-"
-        log = logger.info if code in (1000, 1001) else logger.warning
-        log(f"twilio stream {sid}: closing ({code}) {reason or ''}")
+        normal = code in (1000, 1001)
+        (logger.info if normal else logger.warning)(
+            f"twilio stream {sid}: closing ({code}) {reason or ''}")
+        if not normal and self._on_refused is not None:
+            self._on_refused(code)
         if self._ws.application_state == WebSocketState.CONNECTED:
             try:
                 await self._ws.close(code, short)

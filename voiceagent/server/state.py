@@ -1,12 +1,18 @@
-"""What one `serve` process holds: config, the shared models once loaded, calls, turn records."""
+"""What one `serve` process holds: config, the shared models once loaded, calls, turn records,
+and what the dashboard reads (the turn store, metrics, live events)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pipecat.transports.smallwebrtc.request_handler import SmallWebRTCRequestHandler
 
-from voiceagent.config import Config
+from voiceagent.config import Config, config_hash, store_path
+from voiceagent.dashboard.events import EventHub
+from voiceagent.dashboard.metrics import TurnMetrics
+from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore, TurnStore
+from voiceagent.llm_setup import resident_bytes
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.records import TurnRecords
 from voiceagent.server.calls import ActiveCall, CallRegistry
@@ -16,6 +22,9 @@ from voiceagent.server.calls import ActiveCall, CallRegistry
 class ServerState:
     cfg: Config
     calls: CallRegistry
+    store: TurnStore
+    events: EventHub
+    metrics: TurnMetrics
     records: TurnRecords
     shared: SharedModels | None = None
     load_error: str | None = None
@@ -28,3 +37,36 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.shared is not None
+
+    def on_call(self, event: str, call: ActiveCall) -> None:
+        """CallRegistry listener: calls into the store and the live events; failures counted."""
+        if event == "failed":
+            self.metrics.errors.labels("call_failed").inc()
+            return
+        ended_at = time.time() if event == "ended" else None
+        card = self.shared.llm.card.card_hash if self.shared else None
+        info = CallInfo(call.call_id, call.kind, call.started,
+                        self.cfg.engine.speculation.method, config_hash(self.cfg), card, ended_at)
+        if event == "started":
+            self.store.start_call(info)
+        else:
+            self.store.end_call(call.call_id, ended_at)
+        self.events.publish("call", {"call_id": info.call_id, "kind": info.kind,
+                                     "started_at": info.started_at, "ended_at": ended_at,
+                                     "method": info.method})
+
+
+def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
+    calls = CallRegistry(cfg.server.max_calls)
+    store = SQLiteTurnStore(store_path(cfg), transcripts=cfg.store.transcripts)
+    events = EventHub(transcripts=cfg.store.transcripts)
+
+    def resident() -> float:
+        llm = state.shared.llm if state.shared else None
+        return float(resident_bytes(llm.target, llm.draft)) if llm else 0.0
+
+    metrics = TurnMetrics(active_calls=lambda: len(calls.active), resident_bytes=resident)
+    state = ServerState(cfg, calls, store, events, metrics,
+                        TurnRecords([store, events, metrics]), shared=shared)
+    calls.listeners.append(state.on_call)
+    return state

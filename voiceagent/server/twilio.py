@@ -61,7 +61,9 @@ async def twilio_stream(ws: WebSocket) -> None:
     server: ServerState = ws.app.state.server
     limits = server.cfg.server
     await ws.accept()
-    sock = MediaStreamSocket(ws, limits.max_message_bytes)
+    errors = server.metrics.errors
+    sock = MediaStreamSocket(ws, limits.max_message_bytes,
+                             on_refused=lambda code: errors.labels(f"ws_close_{code}").inc())
     if not twilio_signature_ok(ws, limits.twilio_auth_token, limits.public_url):
         await sock.close(1008, "invalid Twilio signature")
         return

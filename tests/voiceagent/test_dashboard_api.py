@@ -1,0 +1,166 @@
+"""The dashboard's JSON APIs, live events and /metrics, against the app with a filled store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.audio.speech import speech
+from tests.voiceagent.serving import server_config, serving, twilio_url
+from tests.voiceagent.turns import make_turn
+from voiceagent.dashboard.stats import overview
+from voiceagent.dashboard.store import CallInfo
+from voiceagent.server.app import create_app
+from voiceagent.twilio_caller import TwilioCaller
+
+
+def _app(tmp_path, *overrides):
+    return create_app(server_config(tmp_path, *overrides))  # no lifespan: no model loading
+
+
+def _client(app, **kw) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", **kw)
+
+
+def _fill(app, calls: int = 5, turns: int = 2) -> list:
+    server = app.state.server
+    records = []
+    for c in range(calls):
+        call_id = f"call{c}"
+        server.store.start_call(CallInfo(call_id, "twilio", 1000.0 + 100 * c, "ngram"))
+        for t in range(1, turns + 1):
+            record = make_turn(call_id, t, 1000.0 + 100 * c + t, method=("off", "ngram")[c % 2],
+                               clock3_ms=800.0 + 10 * c + t, interrupted=(c == 0 and t == 1))
+            server.records.add(record)
+            records.append(record)
+    server.store.flush()
+    return records
+
+
+async def test_overview_is_the_stats_of_the_stored_turns(tmp_path):
+    app = _app(tmp_path)
+    records = _fill(app)
+    async with _client(app) as http:
+        got = (await http.get("/api/overview")).json()
+        recent = (await http.get("/api/overview", params={"since": 1300})).json()
+    expected = json.loads(json.dumps(overview([r.to_dict() for r in records])))  # as JSON
+    assert got == {"since": None, **expected}
+    assert set(got["by_method"]) == {"off", "ngram"}
+    assert recent["turns"] == 4 and recent["calls"] == 2
+
+
+async def test_calls_are_paged_newest_first_without_gaps(tmp_path):
+    app = _app(tmp_path)
+    _fill(app)
+    seen, before = [], None
+    async with _client(app) as http:
+        for _ in range(5):
+            params = {"limit": 2, **({"before": before} if before is not None else {})}
+            page = (await http.get("/api/calls", params=params)).json()
+            seen += [c["call_id"] for c in page["calls"]]
+            before = page["next_before"]
+            if before is None:
+                break
+    assert seen == [f"call{c}" for c in range(4, -1, -1)]
+
+
+async def test_a_call_has_all_its_turns_and_an_unknown_id_is_404(tmp_path):
+    app = _app(tmp_path)
+    records = _fill(app)
+    async with _client(app) as http:
+        found = (await http.get("/api/calls/call1")).json()
+        missing = await http.get("/api/calls/nope")
+    assert found["turns"] == [r.to_dict() for r in records if r.call_id == "call1"]
+    assert found["call"]["kind"] == "twilio"
+    assert missing.status_code == 404 and "nope" in missing.json()["detail"]
+
+
+@pytest.mark.parametrize("path,params", [
+    ("/api/calls", {"limit": 0}), ("/api/calls", {"limit": 501}), ("/api/calls", {"limit": "x"}),
+    ("/api/overview", {"since": -1}), ("/api/turns", {"limit": 10001}),
+    ("/api/calls", {"before": "yesterday"}),
+])
+async def test_bad_parameters_are_422_with_a_reason(tmp_path, path, params):
+    async with _client(_app(tmp_path)) as http:
+        response = await http.get(path, params=params)
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["msg"]
+
+
+async def test_the_dashboard_and_its_apis_need_the_token_when_set(tmp_path):
+    app = _app(tmp_path, "server.token=s3cret")
+    async with _client(app) as http:
+        for path in ("/dashboard", "/api/overview", "/api/calls", "/metrics", "/api/events"):
+            assert (await http.get(path)).status_code == 401, path
+        assert (await http.get("/api/calls", params={"token": "s3cret"})).status_code == 200
+        ok = await http.get("/api/overview", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+
+
+async def test_the_page_and_its_charting_library_are_served_locally(tmp_path):
+    async with _client(_app(tmp_path)) as http:
+        page = await http.get("/dashboard")
+        plotly = await http.get("/static/vendor/plotly.min.js")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert plotly.status_code == 200 and len(plotly.content) > 1_000_000
+
+
+def _samples(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_metrics_parse_and_count_the_turns_added(tmp_path):
+    app = _app(tmp_path)
+    records = _fill(app, calls=3, turns=2)
+    async with _client(app) as http:
+        samples = _samples((await http.get("/metrics")).text)
+    assert samples[("voiceagent_turns_total", (("method", "off"),))] == 4
+    assert samples[("voiceagent_turns_total", (("method", "ngram"),))] == 2
+    assert samples[("voiceagent_interruptions_total", (("method", "off"),))] == 1
+    clock3 = samples[("voiceagent_turn_end_to_first_audio_seconds_count", (("method", "off"),))]
+    assert clock3 == 4
+    drafted = sum(v for (name, labels), v in samples.items()
+                  if name == "voiceagent_drafted_tokens_total")
+    assert drafted == sum(sum(r.engine["drafted_by_pos"]) for r in records)
+    assert samples[("voiceagent_active_calls", ())] == 0
+
+
+@pytest.mark.slow
+async def test_a_real_call_is_counted_stored_and_streamed_live(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (app, base):
+        async with httpx.AsyncClient(base_url=base, timeout=None) as http:
+            events: list[str] = []
+            subscribed = asyncio.Event()
+
+            async def listen():
+                async with http.stream("GET", "/api/events") as stream:
+                    async for line in stream.aiter_lines():
+                        subscribed.set()  # the stream opens with a comment line
+                        if line.startswith("event: "):
+                            events.append(line[7:])
+
+            listener = asyncio.create_task(listen())
+            await asyncio.wait_for(subscribed.wait(), 10)
+            async with TwilioCaller(twilio_url(base)) as caller:
+                await caller.start()
+                said = await caller.say(speech("What is the capital of France?"))
+                assert await caller.reply(said.ended, 45) is not None
+                await caller.hang_up()
+            for _ in range(100):
+                if "turn" in events and events.count("call") >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            listener.cancel()
+            app.state.server.store.flush()
+            samples = _samples((await http.get("/metrics")).text)
+            calls = (await http.get("/api/calls")).json()["calls"]
+        turns_run = sum(len(t) for t in app.state.server.records.by_call.values())
+    assert turns_run >= 1
+    assert samples[("voiceagent_turns_total", (("method", "ngram"),))] == turns_run
+    assert [c["turns"] for c in calls] == [turns_run] and calls[0]["ended_at"] is not None
+    assert "turn" in events and events.count("call") == 2  # started, ended

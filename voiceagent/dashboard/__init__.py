@@ -1,0 +1,1 @@
+"""The latency dashboard: the durable turn store, its figures, its APIs, /metrics."""

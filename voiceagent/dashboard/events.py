@@ -1,0 +1,42 @@
+"""Live updates for the dashboard: finished turns and call starts/ends, fanned out to every open
+`/api/events` stream (server-sent events). Bounded queues: a stalled browser loses events, it
+never grows the server's memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from voiceagent.dashboard.store import TRANSCRIPT_FIELDS
+from voiceagent.pipeline.clocks import TurnRecord
+
+QUEUE_SIZE = 256
+
+
+class EventHub:
+    def __init__(self, transcripts: bool = True):
+        self.transcripts = transcripts
+        self._subscribers: set[asyncio.Queue] = set()
+
+    def subscribe(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue(QUEUE_SIZE)
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self._subscribers.discard(q)
+
+    def publish(self, event: str, data: dict) -> None:
+        message = f"event: {event}\ndata: {json.dumps(data)}\n\n"
+        for q in self._subscribers:
+            if not q.full():
+                q.put_nowait(message)
+
+    def write(self, record: TurnRecord) -> None:  # a TurnSink
+        data = record.to_dict()
+        if not self.transcripts:
+            data.update(dict.fromkeys(TRANSCRIPT_FIELDS, ""))
+        self.publish("turn", data)
+
+    def close(self) -> None:
+        self._subscribers.clear()

@@ -1,0 +1,137 @@
+"""The dashboard's HTTP surface on `serve`: the page, its JSON APIs, live events and /metrics.
+
+All read-only. With `server.token` set every route here needs it (`Authorization: Bearer` or
+`?token=`, which EventSource and the page URL can carry). Store reads run off the event loop.
+
+| route | returns |
+| --- | --- |
+| `GET /dashboard` | the page |
+| `GET /api/overview?since=` | `stats.overview` of the turns started at or after `since` (unix s) |
+| `GET /api/turns?since=&limit=` | `{"turns": [...]}`: the newest `limit` records, oldest first |
+| `GET /api/speculation?since=` | `stats.speculation` of those turns |
+| `GET /api/calls?since=&before=&limit=` | `{"calls": [...], "next_before": t}`, newest first (1) |
+| `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...]}`; 404 for an unknown id |
+| `GET /api/pair-card` | the running pair's card (seed 001); 503 while models load |
+| `GET /api/events` | server-sent events: `turn` (a turn record) and `call` (started/ended) |
+| `GET /metrics` | Prometheus text format |
+
+(1) The next page: `before=next_before`; `next_before` is null on the last page.
+
+Bad parameters (a negative `since`, `limit` outside 1..500 or 1..10000) are 422 with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi.responses import FileResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from voiceagent.dashboard.stats import overview, speculation
+from voiceagent.server.auth import presented_token, token_ok
+from voiceagent.server.state import ServerState
+
+STATIC = Path(__file__).resolve().parent.parent / "server" / "static"
+KEEPALIVE_S = 15.0
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def authorized(request: Request) -> ServerState:
+    server = _server(request)
+    if not token_ok(server.cfg.server.token, presented_token(request)):
+        raise HTTPException(401, "unauthorized: missing or wrong token")
+    return server
+
+
+router = APIRouter(dependencies=[Depends(authorized)])
+Since = Query(None, ge=0, description="unix seconds; only turns/calls started at or after it")
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def dashboard_page():
+    return FileResponse(STATIC / "dashboard.html")
+
+
+@router.get("/static/vendor/plotly.min.js", include_in_schema=False)
+async def plotly_js():
+    """The charting library, from the installed plotly package: no CDN."""
+    spec = importlib.util.find_spec("plotly")
+    path = Path(spec.origin).parent / "package_data" / "plotly.min.js" if spec else None
+    if path is None or not path.exists():
+        raise HTTPException(404, "plotly is not installed: pip install plotly")
+    return FileResponse(path, media_type="text/javascript")
+
+
+@router.get("/api/overview")
+async def api_overview(request: Request, since: float | None = Since):
+    turns = await asyncio.to_thread(_server(request).store.turns, since)
+    return {"since": since, **overview(turns)}
+
+
+@router.get("/api/turns")
+async def api_turns(request: Request, since: float | None = Since,
+                    limit: int = Query(2000, ge=1, le=10000)):
+    return {"turns": await asyncio.to_thread(_server(request).store.turns, since, limit)}
+
+
+@router.get("/api/speculation")
+async def api_speculation(request: Request, since: float | None = Since):
+    return speculation(await asyncio.to_thread(_server(request).store.turns, since))
+
+
+@router.get("/api/calls")
+async def api_calls(request: Request, since: float | None = Since,
+                    before: float | None = Query(None, ge=0, description="page cursor"),
+                    limit: int = Query(50, ge=1, le=500)):
+    calls = await asyncio.to_thread(_server(request).store.calls, since, before, limit + 1)
+    more = len(calls) > limit
+    calls = calls[:limit]
+    return {"calls": calls, "next_before": calls[-1]["started_at"] if more else None}
+
+
+@router.get("/api/calls/{call_id}")
+async def api_call(request: Request, call_id: str):
+    found = await asyncio.to_thread(_server(request).store.call, call_id)
+    if found is None:
+        raise HTTPException(404, f"no call {call_id!r}")
+    return found
+
+
+@router.get("/api/pair-card")
+async def api_pair_card(request: Request):
+    server = _server(request)
+    if server.shared is None:
+        raise HTTPException(503, "models still loading")
+    return server.shared.llm.card.to_dict()
+
+
+@router.get("/api/events")
+async def api_events(request: Request):
+    hub = _server(request).events
+    queue = hub.subscribe()
+
+    async def stream():
+        try:
+            yield ": live\n\n"
+            while not await request.is_disconnected():
+                try:
+                    yield await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield ": keepalive\n\n"
+        finally:
+            hub.unsubscribe(queue)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(generate_latest(_server(request).metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)

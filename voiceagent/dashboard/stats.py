@@ -1,0 +1,87 @@
+"""The figures of a set of turns: one definition shared by `bench call`, the dashboard's APIs and
+`voiceagent report`, so the three agree by construction.
+
+A turn is a TurnRecord as a dict (TurnRecord.to_dict()). ITL percentiles pool every inter-token
+gap of the turns; the other clocks are one value per turn.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from voiceagent.bench_report import percentile
+
+BREAKDOWN = ("vad_hangover_ms", "asr_final_ms", "prefill_ms", "first_token_ms",
+             "first_clause_ms", "tts_first_chunk_ms")
+
+
+def _pcts(xs: list[float], qs=(50, 95, 99)) -> dict:
+    return {f"p{q}": percentile(xs, q) for q in qs}
+
+
+def summarise(turns: list[dict]) -> dict:
+    """Pool turn records into the figures of one group (a mode, a method, a window)."""
+    def values(get) -> list[float]:
+        return [v for t in turns if (v := get(t)) is not None]
+
+    clock3 = values(lambda t: t["clocks"]["turn_end_to_first_audio_ms"])
+    clock1 = values(lambda t: t["clocks"]["request_to_first_token_ms"])
+    itl = [x for t in turns for x in (t["engine"].get("itl_ms") or [])]
+    barge = values(lambda t: t["barge_in_to_silence_ms"])
+    accepted = values(lambda t: t["engine"].get("mean_accepted_per_step"))
+    return {
+        "turns": len(turns),
+        "calls": len({t["call_id"] for t in turns}),
+        "interrupted": sum(bool(t["interrupted"]) for t in turns),
+        "interrupted_share": (sum(bool(t["interrupted"]) for t in turns) / len(turns)
+                              if turns else None),
+        "turn_end_to_first_audio_ms": _pcts(clock3),
+        "request_to_first_token_ms": _pcts(clock1, (50, 95)),
+        "itl_ms": _pcts(itl),
+        "barge_in_to_silence_ms": {"p50": percentile(barge, 50), "max": max(barge, default=None)},
+        "mean_accepted_per_step": float(np.mean(accepted)) if accepted else None,
+        "breakdown_p50_ms": {k: percentile(values(lambda t, k=k: t["breakdown"].get(k)), 50)
+                             for k in BREAKDOWN},
+    }
+
+
+def method_of(turn: dict) -> str:
+    return (turn.get("engine") or {}).get("method") or "unknown"
+
+
+def overview(turns: list[dict]) -> dict:
+    """All turns together, and split by speculation method (the A/B view)."""
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for t in turns:
+        by_method[method_of(t)].append(t)
+    return {**summarise(turns), "by_method": {m: summarise(ts) for m, ts in by_method.items()}}
+
+
+def speculation(turns: list[dict]) -> dict:
+    """Pooled speculation detail: accepted tokens per step, rejection positions, drafting
+    against verification time per step, and each turn's K history."""
+    accept_hist: list[int] = []
+    rejection_hist: list[int] = []
+    steps = []
+    for t in turns:
+        engine = t.get("engine") or {}
+        for n, count in enumerate(engine.get("accept_len_hist") or []):
+            accept_hist += [0] * (n + 1 - len(accept_hist))
+            accept_hist[n] += count
+        for s in engine.get("steps") or []:
+            if s.get("drafted"):
+                steps.append({"draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"],
+                              "accepted": s["accepted"], "method": engine.get("method")})
+            if s.get("rejection_pos") is not None:
+                pos = s["rejection_pos"]
+                rejection_hist += [0] * (pos + 1 - len(rejection_hist))
+                rejection_hist[pos] += 1
+    return {
+        "accepted_per_step_hist": accept_hist,
+        "rejection_position_hist": rejection_hist,
+        "steps": steps,
+        "k_history": [{"call_id": t["call_id"], "turn": t["turn"],
+                       "k": (t.get("engine") or {}).get("k_history") or []} for t in turns],
+    }
