@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
 
+import pytest
+
 from tests.voiceagent.turns import make_turn
 from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore
+from voiceagent.pipeline.records import TurnRecords
 
 
 def test_a_turn_round_trips_with_every_field(tmp_path):
@@ -97,13 +101,16 @@ def test_a_killed_process_loses_no_committed_turn(tmp_path):
 
 
 def test_a_store_of_another_schema_version_is_refused(tmp_path):
-    import sqlite3
-
-    import pytest
-
     db = tmp_path / "t.sqlite"
     SQLiteTurnStore(db).close()
     with sqlite3.connect(db) as conn:
         conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     with pytest.raises(RuntimeError, match="schema version 99"):
         SQLiteTurnStore(db)
+
+
+def test_the_server_keeps_only_its_recent_calls_in_memory():
+    records = TurnRecords(keep_calls=3)
+    for n in range(5):
+        records.add(make_turn(f"call{n}"))
+    assert list(records.by_call) == ["call2", "call3", "call4"]

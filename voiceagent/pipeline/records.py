@@ -51,14 +51,21 @@ class JsonlTurnSink:
 
 
 class TurnRecords:
-    """Turn records of every call in this process: kept in memory and passed to the sinks."""
+    """Turn records of this process's recent calls, kept in memory, and passed to the sinks.
 
-    def __init__(self, sinks: list[TurnSink] | None = None):
+    Only the `keep_calls` most recent calls stay in memory, so a server that runs for weeks does
+    not grow; the durable copy is the sinks' (the turn store).
+    """
+
+    def __init__(self, sinks: list[TurnSink] | None = None, keep_calls: int = 100):
         self.sinks = list(sinks or [])
+        self.keep_calls = keep_calls
         self.by_call: dict[str, list[TurnRecord]] = defaultdict(list)
 
     def add(self, record: TurnRecord) -> None:
         self.by_call[record.call_id].append(record)
+        while len(self.by_call) > self.keep_calls:  # dicts keep insertion order: oldest first
+            del self.by_call[next(iter(self.by_call))]
         for sink in self.sinks:
             sink.write(record)
 
