@@ -1,7 +1,9 @@
 """The dashboard's HTTP surface on `serve`: the page, its JSON APIs, live events and /metrics.
 
-All read-only. With `server.token` set every route here needs it (`Authorization: Bearer` or
-`?token=`, which EventSource and the page URL can carry). Store reads run off the event loop.
+All read-only. With `server.token` set every data route here needs it (`Authorization: Bearer`
+or `?token=`, which EventSource and the page URL can carry); the page and its charting library
+hold no data and stay public, so the page can load and ask for the token. Store reads run off the
+event loop.
 
 | route | returns |
 | --- | --- |
@@ -50,15 +52,16 @@ def authorized(request: Request) -> ServerState:
 
 
 router = APIRouter(dependencies=[Depends(authorized)])
+public = APIRouter()
 Since = Query(None, ge=0, description="unix seconds; only turns/calls started at or after it")
 
 
-@router.get("/dashboard", include_in_schema=False)
+@public.get("/dashboard", include_in_schema=False)
 async def dashboard_page():
     return FileResponse(STATIC / "dashboard.html")
 
 
-@router.get("/static/vendor/plotly.min.js", include_in_schema=False)
+@public.get("/static/vendor/plotly.min.js", include_in_schema=False)
 async def plotly_js():
     """The charting library, from the installed plotly package: no CDN."""
     spec = importlib.util.find_spec("plotly")

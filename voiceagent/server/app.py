@@ -64,7 +64,8 @@ def create_app(
     async def call_page():
         return FileResponse(STATIC / "index.html")
 
-    app.include_router(dashboard.router)  # before the /static mount: it serves /static/vendor/
+    app.include_router(dashboard.public)  # before the /static mount: it serves /static/vendor/
+    app.include_router(dashboard.router)
     app.include_router(webrtc.router)
     app.include_router(twilio.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

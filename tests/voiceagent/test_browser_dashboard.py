@@ -1,0 +1,311 @@
+"""The latency dashboard in a real browser: a simulated call through the real pipeline writes its
+turns to the store, `voiceagent serve` shows them at /dashboard, and the page's numbers must be the
+JSON APIs' numbers (the page renders them, it computes none of them).
+
+A screenshot of the page is always written (its path is printed); a failure message names it and
+carries the page's console.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.audio.speech import silence, speech
+from tests.voiceagent import browser
+from tests.voiceagent.server_proc import log_tail, running_server
+from voiceagent.call import simulate_call
+from voiceagent.config import load_config
+from voiceagent.pipeline.builder import load_shared
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(browser.missing() is not None, reason=str(browser.missing())),
+]
+
+QUESTIONS = ("What is the capital of France?", "And what about Spain?")
+# The waterfall's segments, in the page's order (TurnRecord.breakdown keys).
+SEGMENTS = ("user_speech_ms", "vad_hangover_ms", "asr_final_ms", "transcript_to_request_ms",
+            "first_token_ms", "first_clause_ms", "tts_first_chunk_ms", "chunk_to_audio_ms")
+CLOCKS = {
+    "chart-clock1": lambda t: t["clocks"]["request_to_first_token_ms"],
+    "chart-clock2": lambda t: t["clocks"]["itl_ms"]["p50"],
+    "chart-clock3": lambda t: t["clocks"]["turn_end_to_first_audio_ms"],
+}
+PAGE_TIMEOUT_MS = 20_000
+
+METRICS = """(sel) => [...document.querySelectorAll(sel + " [data-metric]")].map((e) => ({
+  metric: e.dataset.metric, value: JSON.parse(e.dataset.value), text: e.textContent.trim(),
+}))"""
+CHART_DATA = """(id) => (document.getElementById(id).data || []).map((t) => ({
+  name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || []),
+}))"""
+
+
+def _store_overrides(tmp) -> list[str]:
+    return [f"store.path={tmp / 'turns.sqlite'}", f"paths.runs_dir={tmp / 'runs'}"]
+
+
+def _serve_args(tmp, *overrides: str) -> list[str]:
+    return [arg for kv in [*_store_overrides(tmp), *overrides] for arg in ("--set", kv)]
+
+
+@pytest.fixture(scope="module")
+def stored_call(tmp_path_factory):
+    """A two-question call through the real pipeline into a fresh store: (tmp dir, call id).
+
+    In real time: fed faster, the second question would reach the bot while it still answers the
+    first (a barge-in), not as a turn of its own."""
+    tmp = tmp_path_factory.mktemp("dashboard")
+    cfg = load_config(None, _store_overrides(tmp))
+    spoken = [x for q in QUESTIONS for x in (speech(q), silence(4.0))]
+    audio = np.concatenate([silence(0.5), *spoken])
+    shared = load_shared(cfg, progress=lambda _: None)
+    try:
+        result = asyncio.run(simulate_call(cfg, shared, audio, realtime=True))
+    finally:
+        shared.close()
+    assert len(result.turns) == len(QUESTIONS), [t.user_text for t in result.turns]
+    return tmp, result.call_id
+
+
+@pytest.fixture(scope="module")
+def server(stored_call):
+    tmp, _ = stored_call
+    log = tmp / "serve.log"
+    with running_server(*_serve_args(tmp), log_path=log) as url:
+        yield url, log
+
+
+class Dashboard:
+    """The page, open in Chromium, and what a failure message needs."""
+
+    def __init__(self, chromium, url, log, shot):
+        self.page = chromium.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        self.url, self.log, self.shot = url, log, shot
+        self.console: list[str] = []
+        self.failures = 0
+        self.page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
+        self.page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+
+    def api(self, path: str, **params) -> dict:
+        r = httpx.get(f"{self.url}{path}", params=params, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def since(self) -> dict:
+        """The window the page asked for, exactly as it sent it."""
+        since = json.loads(self.page.get_attribute("#overview", "data-since"))
+        return {} if since is None else {"since": since}
+
+    def expect(self, ok: bool, why: str) -> None:
+        if ok:
+            return
+        self.failures += 1
+        shot = self.shot.with_name(f"failed-{self.failures}.png")
+        self.page.screenshot(path=str(shot), full_page=True)
+        pytest.fail(f"{why}\nscreenshot: {shot}\nconsole:\n" + "\n".join(self.console[-20:])
+                    + f"\nserver log:\n{log_tail(self.log)}")
+
+    def wait(self, js: str, why: str, arg=None) -> None:
+        from playwright.sync_api import Error as PlaywrightError
+
+        try:
+            self.page.wait_for_function(js, arg=arg, timeout=PAGE_TIMEOUT_MS)
+        except PlaywrightError:
+            self.expect(False, f"{why} (waited {PAGE_TIMEOUT_MS // 1000} s)")
+
+
+@pytest.fixture(scope="module")
+def chromium(stored_call):
+    """One browser for the module: a second sync playwright can't start while one runs. After
+    the call (`stored_call`): playwright's event loop would stop `asyncio.run` in this thread."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(
+            executable_path=str(browser.CHROMIUM), headless=True, args=browser.FLAGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture(scope="module")
+def dashboard(chromium, server, tmp_path_factory):
+    url, log = server
+    d = Dashboard(chromium, url, log, tmp_path_factory.mktemp("screenshots") / "dashboard.png")
+    d.page.goto(f"{url}/dashboard")
+    d.wait(f"""() => {{
+      const e = document.querySelector('#overview [data-metric="turns"]');
+      return e !== null && e.dataset.value === "{len(QUESTIONS)}";
+    }}""", "the overview never showed the call's turns")
+    yield d
+    d.page.screenshot(path=str(d.shot), full_page=True)
+    print(f"\ndashboard screenshot: {d.shot}")
+
+
+def _at(d: dict, path: str):
+    for key in path.split("."):
+        d = d[key]
+    return d
+
+
+def _shown_as(value, metric: str, text: str) -> bool:
+    """The page's text for `value`: ms rounded, shares in whole percent, 2 decimals per step."""
+    if value is None:
+        return text == "–"
+    if metric == "mean_accepted_per_step":
+        return abs(float(text) - value) <= 0.005 + 1e-9
+    if metric == "interrupted_share":
+        return text.endswith("%") and abs(int(text[:-1]) - 100 * value) <= 0.5
+    if metric.endswith("_ms") or "_ms." in metric:
+        return text == str(math.floor(value + 0.5))  # JS Math.round: halves go up
+    return text == str(value)
+
+
+def test_page_loads_only_local_resources(server):
+    url, _ = server
+    html = httpx.get(f"{url}/dashboard", timeout=10).text
+    refs = re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)["']""", html)
+    assert "/static/vendor/plotly.min.js" in refs, refs
+    assert all((r.startswith("/") and not r.startswith("//")) or r == "data:," for r in refs), refs
+    for name in ("dashboard.js", "dashboard.css"):
+        r = httpx.get(f"{url}/static/{name}", timeout=10)
+        assert r.status_code == 200 and not re.search(r"https?://", r.text), name
+
+
+def test_overview_numbers_are_the_apis(dashboard):
+    api = dashboard.api("/api/overview", **dashboard.since())
+    shown = dashboard.page.evaluate(METRICS, "#overview")
+    dashboard.expect(len(shown) >= 10, f"overview metrics: {shown}")
+    dashboard.expect(api["turns"] == len(QUESTIONS) and api["calls"] == 1, f"api: {api}")
+    for m in shown:
+        want = _at(api, m["metric"])
+        dashboard.expect(m["value"] == want, f"overview {m['metric']}: page {m}, api {want}")
+        dashboard.expect(_shown_as(want, m["metric"], m["text"]),
+                         f"overview {m['metric']}: {want} shown as {m['text']!r}")
+
+
+def test_by_method_table_has_a_row_per_method_with_the_apis_numbers(dashboard):
+    by_method = dashboard.api("/api/overview", **dashboard.since())["by_method"]
+    rows = dashboard.page.eval_on_selector_all(
+        "#by-method tr[data-method]", "(rows) => rows.map((r) => r.dataset.method)")
+    dashboard.expect(sorted(rows) == sorted(by_method), f"rows {rows}, api {list(by_method)}")
+    for method, figures in by_method.items():
+        shown = dashboard.page.evaluate(METRICS, f'#by-method tr[data-method="{method}"]')
+        for m in shown:
+            if m["metric"] == "itl_speedup":  # the page's ratio against "off"
+                continue
+            want = _at(figures, m["metric"])
+            dashboard.expect(m["value"] == want and _shown_as(want, m["metric"], m["text"]),
+                             f"{method} {m['metric']}: page {m} api {want}")
+
+
+def test_clock_charts_plot_each_turns_clocks(dashboard):
+    turns = dashboard.api("/api/turns", **dashboard.since())["turns"]
+    for chart, clock in CLOCKS.items():
+        traces = dashboard.page.evaluate(CHART_DATA, chart)
+        plotted = sorted(y for t in traces for y in t["y"])
+        want = sorted(v for t in turns if (v := clock(t)) is not None)
+        dashboard.expect(len(plotted) >= 1 and plotted == want,
+                         f"{chart}: plotted {plotted}, turns have {want}")
+
+
+def test_calls_list_shows_the_call_and_a_click_draws_its_waterfall(dashboard, stored_call):
+    _, call_id = stored_call
+    page = dashboard.page
+    row = f'#calls tr[data-call-id="{call_id}"]'
+    dashboard.expect(page.locator(row).count() == 1, f"call {call_id} not in #calls")
+    turns = dashboard.api(f"/api/calls/{call_id}")["turns"]
+
+    page.click(row)
+    dashboard.wait("""(n) => {
+      const d = document.getElementById("chart-waterfall").data;
+      return Array.isArray(d) && d.length === 8 && d.every((t) => t.y.length === n);
+    }""", "no waterfall with a bar per turn after the click", len(turns))
+    traces = page.evaluate(CHART_DATA, "chart-waterfall")
+    for key, trace in zip(SEGMENTS, traces, strict=True):
+        want = [t["breakdown"].get(key) or 0 for t in turns]  # a segment not measured is 0
+        dashboard.expect(trace["x"] == want, f"waterfall {key}: {trace['x']} != {want}")
+    # Drawn, not only given to plotly: a bar per turn and segment, a label per turn.
+    bars = page.locator("#chart-waterfall .barlayer .trace .point path").count()
+    labels = page.locator("#chart-waterfall .ytick").count()
+    dashboard.expect(bars == len(SEGMENTS) * len(turns) and labels == len(turns),
+                     f"{bars} bar segments and {labels} turn labels drawn for {len(turns)} turns")
+
+    rows = page.locator("#call-turns tbody tr[data-turn]")
+    dashboard.expect(rows.count() == len(turns), f"{rows.count()} turn rows, {len(turns)} turns")
+    for i, t in enumerate(turns):
+        row_el = rows.nth(i)
+        dashboard.expect(t["user_text"] in row_el.inner_text(), f"turn {t['turn']} text missing")
+        shown = row_el.evaluate("""(r) => Object.fromEntries(
+          [...r.querySelectorAll("[data-metric]")]
+            .map((e) => [e.dataset.metric, JSON.parse(e.dataset.value)]))""")
+        want = {"request_to_first_token_ms": t["clocks"]["request_to_first_token_ms"],
+                "itl_ms.p50": t["clocks"]["itl_ms"]["p50"],
+                "turn_end_to_first_audio_ms": t["clocks"]["turn_end_to_first_audio_ms"]}
+        dashboard.expect(shown == want, f"turn {t['turn']} clocks: page {shown}, api {want}")
+
+
+def test_speculation_charts_plot_the_apis_histograms(dashboard):
+    spec = dashboard.api("/api/speculation", **dashboard.since())
+    for chart, hist in (("chart-accepted", spec["accepted_per_step_hist"]),
+                        ("chart-rejection", spec["rejection_position_hist"])):
+        traces = dashboard.page.evaluate(CHART_DATA, chart)
+        plotted = traces[0]["y"] if traces else []
+        dashboard.expect(plotted == hist, f"{chart}: plotted {plotted}, api {hist}")
+    steps = dashboard.page.evaluate(CHART_DATA, "chart-draft-verify")
+    points = [len(t["x"]) for t in steps]
+    dashboard.expect(sum(points) == len(spec["steps"]),
+                     f"draft/verify points: {points}, api {len(spec['steps'])}")
+    k_lines = dashboard.page.evaluate(CHART_DATA, "chart-k")
+    with_k = [h for h in spec["k_history"] if h["k"]]
+    dashboard.expect(len(k_lines) == min(20, len(with_k)), f"{len(k_lines)} K lines")
+
+
+def test_pair_card_and_live_indicator(dashboard):
+    card = dashboard.api("/api/pair-card")
+    shown = dashboard.page.text_content("#card-hash")
+    dashboard.expect(shown == card["card_hash"], f"card hash {shown!r}, api {card['card_hash']!r}")
+    dashboard.wait("""() => document.getElementById("live").textContent === "live" """,
+                   "the live indicator never said live (EventSource on /api/events)")
+
+
+TOKEN = "dashboard-test-token"
+
+
+@pytest.fixture(scope="module")
+def token_server(stored_call):
+    tmp, _ = stored_call
+    log = tmp / "serve-token.log"
+    with running_server(*_serve_args(tmp, f"server.token={TOKEN}"), log_path=log) as url:
+        yield url, log
+
+
+def test_with_a_token_the_page_asks_for_it_then_works_with_it(chromium, token_server, tmp_path):
+    """The page and its script are public; every API call carries the page URL's ?token=."""
+    url, log = token_server
+    d = Dashboard(chromium, url, log, tmp_path / "dashboard-token.png")
+    d.page.goto(f"{url}/dashboard")
+    d.wait("""() => {
+      const e = document.getElementById("error");
+      return e && !e.hidden && e.textContent.startsWith("unauthorized: add ?token=");
+    }""", "no 'unauthorized: add ?token=...' on the page without a token")
+
+    d.page.goto(f"{url}/dashboard?token={TOKEN}")
+    d.wait(f"""() => {{
+      const turns = document.querySelector('#overview [data-metric="turns"]');
+      const clock3 = document.getElementById("chart-clock3").data || [];
+      return turns !== null && turns.dataset.value === "{len(QUESTIONS)}"
+        && clock3.some((t) => t.y.length > 0)
+        && document.getElementById("live").textContent === "live"
+        && document.getElementById("error").hidden;
+    }}""", "with ?token= the page did not show the turns, the charts and live")
+    d.page.context.close()
