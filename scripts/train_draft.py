@@ -69,8 +69,13 @@ def generate(args) -> None:
     tok, model = target.tokenizer, target.model
     out = Path(args.data)
     out.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
     done = {d["id"] for d in read_data(out)}
-    todo = [it for it in prompt_items(Path(args.prompts)) if it["id"] not in done]
+    items = prompt_items(Path(args.prompts))
+    if args.samples:  # sampled replies: more of the target's distribution than its argmax
+        items = [{**it, "id": f"{it['id']}#t{args.temperature:g}s{n}"}
+                 for n in range(args.samples) for it in items]
+    todo = [it for it in items if it["id"] not in done]
     print(f"{len(done)} replies cached, {len(todo)} to generate", file=sys.stderr)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     gen_eos = model.generation_config.eos_token_id
@@ -82,9 +87,11 @@ def generate(args) -> None:
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [b, width] left-pad
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sampling = ({"do_sample": True, "temperature": args.temperature, "top_k": 0}
+                    if args.samples else {"do_sample": False})
         gen = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=args.max_new_tokens, do_sample=False,
-                             pad_token_id=pad)[:, width:].tolist()  # [b, new]
+                             max_new_tokens=args.max_new_tokens, pad_token_id=pad,
+                             **sampling)[:, width:].tolist()  # [b, new]
         with out.open("a") as f:
             for it, p, reply in zip(batch, prompts, gen, strict=True):
                 cut = next((i + 1 for i, t in enumerate(reply) if t in eos), len(reply))
@@ -211,7 +218,8 @@ def accepted_run(draft, cache, prefix: list[int], truth: list[int], k: int) -> i
 def evaluate(args) -> None:
     target = load_target(args)
     draft = compact_draft.load(args.out, target.model)
-    held = [d for d in read_data(Path(args.data)) if d["heldout"]]
+    # Greedy held-out replies only: what the target itself would say, token for token.
+    held = [d for d in read_data(Path(args.data)) if d["heldout"] and "#" not in d["id"]]
     k = args.k
     steps = tokens = agree = positions = 0
     by_pos = [0] * k
@@ -271,6 +279,9 @@ def main() -> None:
     ap.add_argument("--data", default="runs/distill_v1/replies.jsonl")
     ap.add_argument("--out", default="drafts/smollm2-135m-draft")
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--samples", type=int, default=0,
+                    help="generate: this many sampled replies per prompt instead of the greedy one")
+    ap.add_argument("--temperature", type=float, default=0.8, help="generate: for --samples")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--layers", default="0,1", help="target layers the draft starts from")
     ap.add_argument("--vocab", type=int, default=4096, help="draft output vocabulary size")

@@ -43,7 +43,7 @@ HF_MODES = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
 class PromptSet:
     version: int
     system: str
-    segments: dict[str, list[str]]
+    segments: dict[str, list[str | list[dict]]]  # a user message, or a whole conversation
     path: str
     sha256: str
 
@@ -56,8 +56,11 @@ def load_prompt_set(path: str | Path = DEFAULT_PROMPTS) -> PromptSet:
         raise ValueError(f"prompt set not found: {path}") from None
     data = yaml.safe_load(raw) or {}
     segments = data.get("segments")
+    if segments is None and isinstance(data.get("categories"), dict):
+        segments = _heldout_segments(data["categories"])
     if not isinstance(segments, dict) or not all(
-        isinstance(v, list) and v and all(isinstance(p, str) for p in v) for v in segments.values()
+        isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v)
+        for v in segments.values()
     ):
         raise ValueError(f"{path}: 'segments' must map segment names to lists of prompts")
     return PromptSet(
@@ -261,9 +264,22 @@ def run_bench(
     return records, modes
 
 
-def _messages(system: str, text: str) -> list[dict[str, str]]:
+def _heldout_segments(categories: dict) -> dict[str, list]:
+    """A draft-training prompt set (configs/prompts/distill_v1.yaml) is benchmarked on its
+    held-out items only: the ones the draft never trained on."""
+    segments = {}
+    for name, items in categories.items():
+        kept = [item.get("messages") or item["prompt"] for item in items
+                if isinstance(item, dict) and item.get("heldout")]
+        if kept:
+            segments[str(name)] = kept
+    return segments
+
+
+def _messages(system: str, prompt: str | list[dict]) -> list[dict[str, str]]:
     head = [{"role": "system", "content": system}] if system else []
-    return [*head, {"role": "user", "content": text}]
+    turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return [*head, *turns]
 
 
 def _rate(value: float | None) -> str:

