@@ -82,7 +82,11 @@ def check_lm_heads(tokenizer, target_model, draft_model) -> None:
 
 
 def output_rows(model) -> int:
+    """Width of the logits the model produces (a compact draft's head scores a subset of the
+    vocabulary but scatters it into full-width logits: `full_vocab`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if getattr(head, "full_vocab", None):
+        return int(head.full_vocab)
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
 

@@ -252,6 +252,35 @@ def evaluate(args) -> None:
     }
     print(json.dumps(report, indent=1))
     (Path(args.out) / "eval.json").write_text(json.dumps(report, indent=1))
+    write_card(Path(args.out), compact_draft.read_meta(args.out), report)
+
+
+def write_card(folder: Path, meta: dict, report: dict) -> None:
+    """The model card: what the draft is, what it was trained on, and how well it drafts."""
+    acc = ", ".join(f"{a:.2f}" for a in report["acceptance_by_position"])
+    layers = ", ".join(map(str, meta["layers"]))
+    (folder / "README.md").write_text(f"""# Compact draft for {meta['target']}
+
+Trained by self-distillation with `scripts/train_draft.py` (this repository); see the README's
+engine section for the command lines and the alternatives measured.
+
+- Target: `{meta['target']}`, weights sha256 `{meta['target_file_sha256']}`. The draft runs over
+  the target's own input embeddings and is refused for any other target.
+- Architecture: the target's layers {layers} (re-trained), its final norm, and an output head over
+  the {meta['vocab_size']} most frequent reply tokens (fp16 safetensors); the other tokens are
+  never drafted, the target verifies over its full vocabulary, so output is unchanged.
+- Data: the target's own replies to `configs/prompts/{meta['prompts']}` ({meta['train_replies']}
+  training replies: greedy and sampled); the prompts marked `heldout` were never trained on.
+- Training: {meta['steps']} steps of {meta['batch']} sequences, AdamW lr {meta['lr']} (cosine),
+  seed {meta['seed']}, {meta['train_seconds']} s on a 2-core CPU.
+- Held-out greedy replies ({report['heldout_replies']} replies, {report['heldout_tokens']}
+  tokens): top-1 agreement with the target {report['top1_agreement']:.3f}; with K =
+  {report['k']} drafted tokens per step, {report['tokens_per_target_forward']:.2f} tokens per
+  target forward; acceptance by draft position (given the earlier ones accepted): {acc}.
+- Cost: one draft decode step takes {report['draft_cost_per_token_vs_target']:.3f} of a target
+  decode step on this CPU.
+- Licence: derived from SmolLM2-135M-Instruct (Apache-2.0).
+""")
 
 
 @torch.inference_mode()

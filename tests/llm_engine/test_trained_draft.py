@@ -1,0 +1,91 @@
+"""The trained compact draft on the real embedded target: lossless greedy and sampling."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.contract import IncompatiblePairError
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.prompts import encode_chat
+from llm_engine.verify import VerifyResult, verify_sampling
+from tests.llm_engine.test_smollm2 import PROMPTS
+from voiceagent.llm_setup import load_compact_draft
+from voiceagent.models import resolve
+
+pytestmark = pytest.mark.slow
+
+SAMPLES = 20_000
+TOP = 12  # tokens of p compared one by one; the rest of the vocabulary is one bucket
+# Correct samplers land near 0.01 here; one that keeps every draft token lands above 0.1.
+TV_BOUND = 0.03
+
+
+@pytest.fixture(scope="module")
+def draft(smollm2):
+    location = resolve("smollm2-135m-draft", "llm").location
+    return load_compact_draft("smollm2-135m-draft", location, smollm2, lambda _: None).model
+
+
+def _run(smollm2, draft, method: str, prompt: str, sampling: SamplingConfig, **spec) -> list:
+    config = EngineConfig(speculation=SpeculationConfig(method=method, **spec), sampling=sampling)
+    engine = SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, draft_model=draft)
+    state = engine.start(encode_chat(smollm2.tokenizer, [{"role": "user", "content": prompt}]))
+    while not state.finished:
+        engine.step(state)
+    engine.release(state)
+    return state.output_ids
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_with_the_trained_draft_equals_greedy_off(smollm2, draft, prompt):
+    sampling = SamplingConfig(max_new_tokens=40)
+    off = _run(smollm2, draft, "off", prompt, sampling)
+    assert _run(smollm2, draft, "draft", prompt, sampling, gate=False) == off
+
+
+def _next_token_distributions(smollm2, draft, temperature: float = 0.8):
+    ids = torch.tensor([encode_chat(smollm2.tokenizer,
+                                    [{"role": "user", "content": PROMPTS[0]}])])
+    with torch.inference_mode():
+        p = torch.softmax(smollm2.model(ids).logits[0, -1] / temperature, -1)  # [vocab]
+        q = torch.softmax(draft(ids).logits[0, -1] / temperature, -1)  # [vocab], 0 off-head
+    return p, q
+
+
+def _output_tv(p, q, sampler) -> float:
+    """Total variation between p and the first committed token of one-token draft steps."""
+    gen = torch.Generator().manual_seed(0)
+    top = torch.topk(p, TOP).indices
+    bucket = torch.full((len(p),), TOP, dtype=torch.long)
+    bucket[top] = torch.arange(TOP)
+    counts = torch.zeros(TOP + 1)
+    pp = torch.stack([p, p])  # [2, vocab]: position 0 and the bonus position
+    for _ in range(SAMPLES):
+        d = torch.multinomial(q, 1, generator=gen)  # [1]
+        counts[bucket[sampler(d, q[None], pp, gen).tokens[0]]] += 1
+    expected = torch.zeros(TOP + 1).index_add_(0, bucket, p)
+    return 0.5 * (counts / SAMPLES - expected).abs().sum().item()
+
+
+def test_sampling_with_the_trained_draft_follows_the_target(smollm2, draft):
+    p, q = _next_token_distributions(smollm2, draft)
+    assert _output_tv(p, q, verify_sampling) < TV_BOUND
+
+
+def test_the_distribution_check_catches_a_sampler_that_keeps_the_draft(smollm2, draft):
+    def keep_draft(d, q, p, gen):
+        return VerifyResult(d.tolist(), 1, None)
+
+    p, q = _next_token_distributions(smollm2, draft)
+    assert _output_tv(p, q, keep_draft) > TV_BOUND
+
+
+def test_a_draft_trained_for_another_target_is_refused(smollm2):
+    other = replace(smollm2, file_sha256="0" * 64)
+    location = resolve("smollm2-135m-draft", "llm").location
+    with pytest.raises(IncompatiblePairError, match="trained for a target"):
+        load_compact_draft("smollm2-135m-draft", location, other, lambda _: None)
