@@ -22,9 +22,14 @@ from urllib.parse import quote
 
 from voiceagent.bench_report import percentile
 from voiceagent.config import Config, store_path
-from voiceagent.dashboard.stats import BREAKDOWN, method_of, overview, speculation
+from voiceagent.dashboard.stats import (
+    BREAKDOWN,
+    by_method,
+    ordered,
+    overview,
+    speculation,
+)
 
-METHOD_ORDER = ("off", "ngram", "draft")
 METHOD_COLOURS = {"off": "#7f7f7f", "ngram": "#1f77b4", "draft": "#ff7f0e"}
 OTHER_COLOURS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 DPI = 110
@@ -95,19 +100,6 @@ def load_window(path: str | Path, since: float | None, now: float) -> Window:
     finally:
         store.close()
     return Window(path, since, now, turns, last_call)
-
-
-def ordered(methods) -> list[str]:
-    """Methods in a fixed order: off, ngram, draft, then any others by name."""
-    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
-    return sorted(set(methods), key=lambda m: (rank.get(m, len(rank)), m))
-
-
-def by_method(turns: list[dict]) -> dict[str, list[dict]]:
-    groups: dict[str, list[dict]] = {}
-    for t in turns:
-        groups.setdefault(method_of(t), []).append(t)
-    return {m: groups[m] for m in ordered(groups)}
 
 
 def colour(method: str) -> str:

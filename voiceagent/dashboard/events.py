@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from voiceagent.dashboard.store import TRANSCRIPT_FIELDS
+from voiceagent.dashboard.store import shareable
 from voiceagent.pipeline.clocks import TurnRecord
 
 QUEUE_SIZE = 256
@@ -33,10 +33,7 @@ class EventHub:
                 q.put_nowait(message)
 
     def write(self, record: TurnRecord) -> None:  # a TurnSink
-        data = record.to_dict()
-        if not self.transcripts:
-            data.update(dict.fromkeys(TRANSCRIPT_FIELDS, ""))
-        self.publish("turn", data)
+        self.publish("turn", shareable(record, self.transcripts))
 
     def close(self) -> None:
         self._subscribers.clear()

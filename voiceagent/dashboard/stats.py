@@ -7,8 +7,6 @@ gap of the turns; the other clocks are one value per turn.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
 from voiceagent.bench_report import percentile
@@ -47,16 +45,30 @@ def summarise(turns: list[dict]) -> dict:
     }
 
 
+METHOD_ORDER = ("off", "ngram", "draft")
+
+
 def method_of(turn: dict) -> str:
     return (turn.get("engine") or {}).get("method") or "unknown"
 
 
+def ordered(methods) -> list[str]:
+    """Methods in a fixed order: off, ngram, draft, then any others by name."""
+    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
+    return sorted(set(methods), key=lambda m: (rank.get(m, len(rank)), m))
+
+
+def by_method(turns: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for t in turns:
+        groups.setdefault(method_of(t), []).append(t)
+    return {m: groups[m] for m in ordered(groups)}
+
+
 def overview(turns: list[dict]) -> dict:
     """All turns together, and split by speculation method (the A/B view)."""
-    by_method: dict[str, list[dict]] = defaultdict(list)
-    for t in turns:
-        by_method[method_of(t)].append(t)
-    return {**summarise(turns), "by_method": {m: summarise(ts) for m, ts in by_method.items()}}
+    return {**summarise(turns),
+            "by_method": {m: summarise(ts) for m, ts in by_method(turns).items()}}
 
 
 def speculation(turns: list[dict]) -> dict:

@@ -47,6 +47,14 @@ CREATE INDEX IF NOT EXISTS calls_started ON calls (started_at);
 TRANSCRIPT_FIELDS = ("user_text", "bot_text", "llm_text")
 
 
+def shareable(record: TurnRecord, transcripts: bool) -> dict:
+    """The record as a dict, its words blanked unless transcripts may be kept."""
+    data = record.to_dict()
+    if not transcripts:
+        data.update(dict.fromkeys(TRANSCRIPT_FIELDS, ""))
+    return data
+
+
 @dataclass
 class CallInfo:
     call_id: str
@@ -111,10 +119,7 @@ class SQLiteTurnStore:
         self._queue.put(("end", (call_id, ended_at)))
 
     def write(self, record: TurnRecord) -> None:
-        data = record.to_dict()
-        if not self.transcripts:
-            data.update(dict.fromkeys(TRANSCRIPT_FIELDS, ""))
-        self._queue.put(("turn", data))
+        self._queue.put(("turn", shareable(record, self.transcripts)))
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued so far is committed."""
