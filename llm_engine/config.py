@@ -33,7 +33,7 @@ class SpeculationConfig:
 
     __pydantic_config__ = STRICT
 
-    method: Literal["off", "ngram", "draft"] = "ngram"
+    method: Literal["off", "ngram", "draft", "eagle"] = "ngram"
     num_draft_tokens: int = 4  # K at the start of a request
     adaptive: bool = True  # move K with measured acceptance
     min_draft_tokens: int = 1
@@ -58,6 +58,7 @@ class EngineConfig:
 
     target: str = "smollm2-135m-instruct"
     draft: str | None = None  # a model name/path for method "draft"; the target itself is allowed
+    eagle: str | None = None  # an EAGLE head (name/path) for method "eagle", trained for the target
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_context: int = 2048

@@ -239,8 +239,8 @@ def make_pair_card(target, draft, config: EngineConfig, resident_bytes: int) -> 
     `target` and `draft` are `loading.LoadedModel`s; `draft` is None for methods without one.
     `resident_bytes` is the measured memory of the whole pair (seed 001 item 8).
     """
-    if config.speculation.method == "draft" and draft is None:
-        raise ValueError("speculation method 'draft' needs a draft model")
+    if config.speculation.method in ("draft", "eagle") and draft is None:
+        raise ValueError(f"speculation method {config.speculation.method!r} needs its draft")
     card = PairCard(
         target=ModelIdentity.from_loaded(target),
         draft=ModelIdentity.from_loaded(draft) if draft is not None else None,

@@ -85,14 +85,16 @@ class SpeculativeEngine:
         draft_model: torch.nn.Module | None = None,
         max_sessions: int = 8,
         eos_token_ids: set[int] | None = None,
+        eagle_head: torch.nn.Module | None = None,
     ):
-        # Fail at construction, not at the first request: unknown method, draft model missing.
-        make_proposer(config.speculation.method, config.speculation, draft_model).release()
         self.target = target_model
         self.tokenizer = tokenizer  # kept for callers; never used on the decode path
         self.config = config
         self.spec = config.speculation
         self.draft_model = draft_model
+        self.eagle_head = eagle_head
+        # Fail at construction, not at the first request: unknown method, its model missing.
+        self._new_proposer(self.spec.method).release()
         self.device = next(target_model.parameters()).device
         self.eos_token_ids = frozenset(
             eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, target_model)
@@ -211,14 +213,14 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         suffix = state.token_ids[state.reuse_len :]
         input_ids = torch.tensor([suffix], device=self.device)  # [1, n]
-        logits = kv.forward(self.target, input_ids, state.cache, last_only=True)  # [1, vocab]
+        logits, hidden = self._target_forward(state, input_ids, last_only=True)  # [1, vocab]
         result = self._verify(state, EMPTY_DRAFT, logits)
         state.prefilled = True
         stats = state.stats
         stats.prefill_ms = (time.perf_counter() - t0) * 1000.0
         stats.prefill_tokens = len(suffix)
         stats.reused_prefix_tokens = state.reuse_len
-        return self._commit(state, result.tokens, budget)
+        return self._commit(state, result.tokens, budget, hidden)
 
     def _speculative_step(self, state: RequestState, budget: int) -> list[int]:
         """Draft k tokens, verify them in one target forward, commit, roll back. k = 0 decodes."""
@@ -233,7 +235,7 @@ class SpeculativeEngine:
             draft = state.proposer.propose(ctx)
         t1 = time.perf_counter()
         input_ids = torch.tensor([[state.token_ids[-1], *draft.tokens]], device=self.device)
-        logits = kv.forward(self.target, input_ids, state.cache)  # [k + 1, vocab]
+        logits, hidden = self._target_forward(state, input_ids)  # [k + 1, vocab]
         result = self._verify(state, draft, logits)
         t2 = time.perf_counter()
 
@@ -252,9 +254,17 @@ class SpeculativeEngine:
             verify_ms=(t2 - t1) * 1000.0,
         )
         state.stats.record_step(step)
-        new = self._commit(state, result.tokens, budget)
+        new = self._commit(state, result.tokens, budget, hidden)
         step.committed = len(new)
         return new
+
+    def _target_forward(self, state: RequestState, input_ids: torch.Tensor,
+                        last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [n or 1, vocab]; the last hidden states [n, hidden] only for a proposer that
+        reads them (EAGLE), None otherwise."""
+        if getattr(state.proposer, "uses_target_hidden", False):
+            return kv.forward(self.target, input_ids, state.cache, last_only, hidden=True)
+        return kv.forward(self.target, input_ids, state.cache, last_only), None
 
     def _verify(self, state: RequestState, draft: Draft, logits: torch.Tensor) -> VerifyResult:
         # logits: [k + 1, vocab]
@@ -271,13 +281,19 @@ class SpeculativeEngine:
         q = _align_vocab(draft.q.to(p.device), p.shape[-1])  # [k, vocab]
         return verify_sampling(draft_tokens, q, p, state.generator)
 
-    def _commit(self, state: RequestState, tokens: list[int], budget: int) -> list[int]:
+    def _commit(self, state: RequestState, tokens: list[int], budget: int,
+                hidden: torch.Tensor | None = None) -> list[int]:
         """Append verified tokens (cut at EOS or the budget) and roll the target cache back."""
+        # The forward grew the cache by one position per row of `hidden`: row 0's position.
+        first = kv.cache_length(state.cache) - (0 if hidden is None else len(hidden))
         tokens, reason = clip_committed(tokens, self.eos_token_ids, budget)
         state.token_ids.extend(tokens)
         # Drop the KV of rejected drafts (and of anything after an EOS): the cache holds exactly
         # the committed tokens but the last, which the next step feeds.
         kv.crop_to(state.cache, len(state.token_ids) - 1)
+        if hidden is not None:  # the features of the positions that stayed in the cache
+            state.proposer.observe_target(
+                state.token_ids, hidden[: kv.cache_length(state.cache) - first])
         now_ms = (time.perf_counter() - state.t_start) * 1000.0
         state.stats.record_tokens(len(tokens), now_ms)
         if reason is not None:
@@ -315,16 +331,21 @@ class SpeculativeEngine:
             with self._lock:
                 entry = self._sessions.pop(session_id, None)
         if entry is None:
-            proposer = make_proposer(method, self.spec, self.draft_model)
-            return kv.new_cache(self.target), proposer, 0
+            return kv.new_cache(self.target), self._new_proposer(method), 0
         # Keep at least one prompt token to feed: its logits give the first new token.
         keep = min(kv.common_prefix_len(entry.cached_tokens, prompt_ids), len(prompt_ids) - 1)
-        kv.crop_to(entry.cache, keep)
         proposer = entry.proposer
         if entry.method != method:
             proposer.release()
-            proposer = make_proposer(method, self.spec, self.draft_model)
+            proposer = self._new_proposer(method)
+            if getattr(proposer, "uses_target_hidden", False):
+                keep = 0  # it never saw the cached positions' hidden states: prefill them all
+        kv.crop_to(entry.cache, keep)
         return entry.cache, proposer, keep
+
+    def _new_proposer(self, method: str) -> Proposer:
+        model = {"draft": self.draft_model, "eagle": self.eagle_head}.get(method)
+        return make_proposer(method, self.spec, model)
 
     def _keep_session(self, session_id: str, entry: _SessionKV) -> None:
         with self._lock:

@@ -52,18 +52,30 @@ def _forward_kwargs(model_class: type) -> tuple[str, bool]:
     return cache_name, "logits_to_keep" in params
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which the model's forward takes its KV cache."""
+    return _forward_kwargs(type(model))[0]
+
+
 def forward(
-    model: torch.nn.Module, input_ids: torch.Tensor, cache: DynamicCache, last_only: bool = False
-) -> torch.Tensor:
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    last_only: bool = False,
+    hidden: bool = False,
+):
     """Run new tokens through the model on top of the cache, which grows by n.
 
     input_ids: [1, n] -> logits [n, vocab] (or [1, vocab] with last_only, which skips the output
-    head for all but the last position: most of a prefill's head cost).
+    head for all but the last position: most of a prefill's head cost). With `hidden`, also the
+    last hidden states [n, hidden_size] (what the output head reads), as (logits, hidden).
     """
     assert input_ids.ndim == 2 and input_ids.shape[0] == 1
     cache_name, has_keep = _forward_kwargs(type(model))
     kwargs = {cache_name: cache, "use_cache": True}
     if last_only and has_keep:
         kwargs["logits_to_keep"] = 1
-    logits = model(input_ids=input_ids, **kwargs).logits[0]  # [n or 1, vocab]
-    return logits[-1:] if last_only else logits
+    out = model(input_ids=input_ids, output_hidden_states=hidden, **kwargs)
+    logits = out.logits[0]  # [n or 1, vocab]
+    logits = logits[-1:] if last_only else logits
+    return (logits, out.hidden_states[-1][0]) if hidden else logits

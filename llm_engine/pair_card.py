@@ -140,7 +140,7 @@ def runtime_record(device: str, method: str) -> dict:
 
 def _draft_note(method: str, draft) -> str:
     if draft is not None:
-        used = "used" if method == "draft" else f"loaded but unused by method {method!r}"
+        used = "used" if method in ("draft", "eagle") else f"loaded but unused by method {method!r}"
         return f"{draft.name} ({used})"
     if method == "ngram":
         return "none: the ngram proposer drafts by prompt lookup over the prompt and output"

@@ -63,7 +63,7 @@ def render(summary: dict[str, dict]) -> str:
 
 async def _run(cfg: Config, script: dict, modes: list[str], repeats: int) -> dict[str, list]:
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress on stderr
-    shared = load_shared(cfg, say)
+    shared = load_shared(cfg, say, also=modes)
     voice = load_piper(resolve(cfg.tts.voice, "tts").location)
     turns: dict[str, list] = {m: [] for m in modes}
     try:

@@ -378,13 +378,16 @@ def settings_from_args(args, cfg: Config) -> BenchSettings:
     if args.modes:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     else:
-        modes = ["off", "ngram"] + (["draft"] if cfg.engine.draft else [])
+        modes = (["off", "ngram"] + (["draft"] if cfg.engine.draft else [])
+                 + (["eagle"] if cfg.engine.eagle else []))
     unknown = [m for m in modes if m not in proposer_names()]
     if unknown:
         known = ", ".join(proposer_names())
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; known: {known}")
     if "draft" in modes and not cfg.engine.draft:
         raise ValueError("mode 'draft' needs a draft model: --set engine.draft=NAME_OR_PATH")
+    if "eagle" in modes and not cfg.engine.eagle:
+        raise ValueError("mode 'eagle' needs an EAGLE head: --set engine.eagle=NAME_OR_PATH")
     modes = [REFERENCE] + [m for m in dict.fromkeys(modes) if m != REFERENCE]  # off: the reference
     temperatures = (
         [float(t) for t in args.temperatures.split(",")] if args.temperatures
@@ -413,10 +416,8 @@ def run_engine_bench(cfg: Config, args) -> int:
     settings = settings_from_args(args, cfg)
     prompt_set = load_prompt_set(args.prompts)
     select_prompts(prompt_set, settings)  # refuse unknown segments before loading models
-    if "draft" in settings.modes:
-        cfg.engine.speculation.method = "draft"  # build_runtime loads the draft only for it
     started, load_at_start = datetime.now(timezone.utc), os.getloadavg()[0]
-    runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say)
+    runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=settings.modes)
     records, modes = run_bench(
         runtime.engine, runtime.target.tokenizer, prompt_set, settings,
         hf_model=runtime.target.model,

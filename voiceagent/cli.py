@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="generate one reply with the engine only (no audio)")
     _config_args(p)
     p.add_argument("prompt")
-    p.add_argument("--speculative", choices=["off", "ngram", "draft"])
+    p.add_argument("--speculative", choices=["off", "ngram", "draft", "eagle"])
     p.add_argument("--draft", help="draft model name or path (implies --speculative draft)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-new-tokens", type=int)

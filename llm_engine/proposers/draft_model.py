@@ -13,13 +13,13 @@ import torch
 
 from llm_engine import kv
 from llm_engine.config import SpeculationConfig
-from llm_engine.proposers.base import Draft, ProposeContext, register
-from llm_engine.sampling import is_greedy, logits_to_probs, sample
+from llm_engine.proposers.base import Draft, DraftBuilder, ProposeContext, register
 
 
 @register("draft")
 class DraftModelProposer:
     samples_drafts = True
+    uses_target_hidden = False
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -45,25 +45,18 @@ class DraftModelProposer:
         if ctx.k <= 0:
             return Draft([])
         pending = ctx.token_ids[len(self._cached) :]
-        greedy = is_greedy(ctx.sampling)
         next_input = torch.tensor([pending], device=self.device)  # [1, n_pending]
-        drafted, probs = [], []
+        builder = DraftBuilder(ctx.sampling, ctx.generator)
         for i in range(ctx.k):
             logits = kv.forward(self.model, next_input, self.cache, last_only=True)  # [1, vocab]
-            if greedy:
-                token = logits.argmax(dim=-1)  # [1]
-            else:
-                q_row = logits_to_probs(logits, ctx.sampling)  # [1, vocab]
-                token = sample(q_row, ctx.generator)  # [1]
-                probs.append(q_row)
-            drafted.append(token)
+            token = builder.choose(logits)  # [1]
             if i + 1 < ctx.k:
                 next_input = token.view(1, 1)  # stays on the device: one host sync per proposal
+        draft = builder.build()
         self._cached.extend(pending)
-        tokens = torch.cat(drafted).tolist()  # [k]
-        self._cached.extend(tokens[:-1])  # the last draft token was never fed
+        self._cached.extend(draft.tokens[:-1])  # the last draft token was never fed
         self._last_k = ctx.k
-        return Draft(tokens, torch.cat(probs) if probs else None)  # q: [k, vocab]
+        return draft
 
     def update(self, num_accepted: int) -> None:
         # The cache holds the context plus drafts d_0..d_{k-2}; only accepted ones stay valid.

@@ -15,6 +15,7 @@ from llm_engine.proposers.base import EMPTY_DRAFT, Draft, ProposeContext, regist
 @register("ngram")
 class NgramProposer:
     samples_drafts = False
+    uses_target_hidden = False
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 3):
         assert 1 <= ngram_min <= ngram_max

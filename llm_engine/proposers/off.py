@@ -9,6 +9,7 @@ from llm_engine.proposers.base import EMPTY_DRAFT, Draft, ProposeContext, regist
 @register("off")
 class OffProposer:
     samples_drafts = False
+    uses_target_hidden = False
 
     @classmethod
     def create(cls, spec: SpeculationConfig, draft_model=None) -> OffProposer:

@@ -29,12 +29,12 @@ def hf_greedy(model, prompt: list[int], new_tokens: int, eos=2) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def make_engine(target, tokenizer, method="off", draft=None, sampling=None, **spec):
+def make_engine(target, tokenizer, method="off", draft=None, sampling=None, eagle=None, **spec):
     config = EngineConfig(
         speculation=SpeculationConfig(method=method, **spec),
         sampling=sampling or SamplingConfig(max_new_tokens=NEW_TOKENS),
     )
-    return SpeculativeEngine(target, tokenizer, config, draft_model=draft)
+    return SpeculativeEngine(target, tokenizer, config, draft_model=draft, eagle_head=eagle)
 
 
 def run(engine, prompt, sampling=None, session_id=None):

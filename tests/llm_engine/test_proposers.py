@@ -31,15 +31,15 @@ def greedy_continuation(model, tokens: list[int], n: int) -> list[int]:
 
 def test_registry_builds_each_method_by_name(target):
     for name in ("off", "ngram", "draft"):
-        proposer = make_proposer(name, SpeculationConfig(), draft_model=target)
+        proposer = make_proposer(name, SpeculationConfig(), target)
         proposer.begin([5, 6, 7])
         proposer.release()
-    assert {"off", "ngram", "draft"} <= set(proposer_names())
+    assert {"off", "ngram", "draft", "eagle"} <= set(proposer_names())
 
 
 def test_unknown_method_is_refused_with_the_known_names():
     with pytest.raises(ValueError, match="known: .*ngram"):
-        make_proposer("eagle", SpeculationConfig())
+        make_proposer("medusa", SpeculationConfig())
 
 
 def test_draft_method_without_a_model_is_refused():
@@ -51,7 +51,7 @@ def test_register_adds_a_method_without_touching_the_engine():
     @register("test-repeat")
     class RepeatLast(NgramProposer):
         @classmethod
-        def create(cls, spec, draft_model=None):
+        def create(cls, spec, model=None):
             return cls(1, 1)
 
     try:
@@ -121,13 +121,13 @@ def test_ngram_looks_up_generated_tokens_too():
 
 def test_draft_model_greedy_drafts_its_own_argmax_chain(target):
     prompt = [5, 17, 42, 9, 3]
-    proposer = make_proposer("draft", SpeculationConfig(), draft_model=target)
+    proposer = make_proposer("draft", SpeculationConfig(), target)
     proposer.begin(prompt)
     assert proposer.propose(ctx(prompt, 4)).tokens == greedy_continuation(target, prompt, 4)
 
 
 def test_draft_model_sampled_returns_q_for_each_drafted_token(draft):
-    proposer = make_proposer("draft", SpeculationConfig(), draft_model=draft)
+    proposer = make_proposer("draft", SpeculationConfig(), draft)
     proposer.begin([5, 17, 42])
     out = proposer.propose(ctx([5, 17, 42], 3, SamplingConfig(temperature=0.8, top_k=20)))
     assert len(out.tokens) == 3
@@ -139,20 +139,20 @@ def test_draft_model_sampled_returns_q_for_each_drafted_token(draft):
 
 def test_draft_model_rollback_leaves_no_stale_position(target):
     prompt = [5, 17, 42, 9, 3]
-    proposer = make_proposer("draft", SpeculationConfig(), draft_model=target)
+    proposer = make_proposer("draft", SpeculationConfig(), target)
     proposer.begin(prompt)
     drafted = proposer.propose(ctx(prompt, 4)).tokens
     proposer.update(num_accepted=1)  # d0 kept; d1 rejected and replaced by another token
     assert kv.cache_length(proposer.cache) == len(prompt) + 1
     committed = prompt + [drafted[0], (drafted[1] + 1) % 100]
-    fresh = make_proposer("draft", SpeculationConfig(), draft_model=target)
+    fresh = make_proposer("draft", SpeculationConfig(), target)
     fresh.begin(committed)
     assert proposer.propose(ctx(committed, 3)).tokens == fresh.propose(ctx(committed, 3)).tokens
 
 
 def test_draft_model_all_accepted_keeps_every_fed_draft(target):
     prompt = [5, 17, 42]
-    proposer = make_proposer("draft", SpeculationConfig(), draft_model=target)
+    proposer = make_proposer("draft", SpeculationConfig(), target)
     proposer.begin(prompt)
     proposer.propose(ctx(prompt, 4))
     proposer.update(num_accepted=4)
@@ -160,7 +160,7 @@ def test_draft_model_all_accepted_keeps_every_fed_draft(target):
 
 
 def test_draft_model_begin_keeps_the_shared_prefix(target):
-    proposer = make_proposer("draft", SpeculationConfig(), draft_model=target)
+    proposer = make_proposer("draft", SpeculationConfig(), target)
     proposer.begin([5, 17, 42, 9])
     proposer.propose(ctx([5, 17, 42, 9, 3], 2))
     proposer.update(num_accepted=2)

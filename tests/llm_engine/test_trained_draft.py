@@ -1,4 +1,5 @@
-"""The trained compact draft on the real embedded target: lossless greedy and sampling."""
+"""The trained drafts (compact and EAGLE) on the real embedded target: lossless greedy and
+sampling, and refused for another target."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
 from llm_engine.verify import VerifyResult, verify_sampling
 from tests.llm_engine.test_smollm2 import PROMPTS
-from voiceagent.llm_setup import load_compact_draft
-from voiceagent.models import resolve
+from voiceagent.llm_setup import load_draft, load_eagle
 
 pytestmark = pytest.mark.slow
 
@@ -24,15 +24,27 @@ TOP = 12  # tokens of p compared one by one; the rest of the vocabulary is one b
 TV_BOUND = 0.03
 
 
+SHIPPED = EngineConfig(draft="smollm2-135m-draft", eagle="smollm2-135m-eagle")
+LOADERS = {
+    "draft": lambda target, engine=SHIPPED: load_draft(engine, target, "", lambda _: None),
+    "eagle": lambda target, engine=SHIPPED: load_eagle(engine, target, lambda _: None),
+}
+
+
+@pytest.fixture(scope="module", params=["draft", "eagle"])
+def method(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def draft(smollm2):
-    location = resolve("smollm2-135m-draft", "llm").location
-    return load_compact_draft("smollm2-135m-draft", location, smollm2, lambda _: None).model
+def draft(smollm2, method):
+    return LOADERS[method](smollm2).model
 
 
 def _run(smollm2, draft, method: str, prompt: str, sampling: SamplingConfig, **spec) -> list:
     config = EngineConfig(speculation=SpeculationConfig(method=method, **spec), sampling=sampling)
-    engine = SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, draft_model=draft)
+    engine = SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, draft_model=draft,
+                               eagle_head=draft)
     state = engine.start(encode_chat(smollm2.tokenizer, [{"role": "user", "content": prompt}]))
     while not state.finished:
         engine.step(state)
@@ -41,18 +53,25 @@ def _run(smollm2, draft, method: str, prompt: str, sampling: SamplingConfig, **s
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_with_the_trained_draft_equals_greedy_off(smollm2, draft, prompt):
+def test_greedy_with_the_trained_draft_equals_greedy_off(smollm2, draft, method, prompt):
     sampling = SamplingConfig(max_new_tokens=40)
     off = _run(smollm2, draft, "off", prompt, sampling)
-    assert _run(smollm2, draft, "draft", prompt, sampling, gate=False) == off
+    assert _run(smollm2, draft, method, prompt, sampling, gate=False) == off
 
 
-def _next_token_distributions(smollm2, draft, temperature: float = 0.8):
+def _next_token_distributions(smollm2, draft, method, temperature: float = 0.8):
+    """The target's (p) and the draft's (q) distributions of the same next token."""
     ids = torch.tensor([encode_chat(smollm2.tokenizer,
                                     [{"role": "user", "content": PROMPTS[0]}])])
     with torch.inference_mode():
-        p = torch.softmax(smollm2.model(ids).logits[0, -1] / temperature, -1)  # [vocab]
-        q = torch.softmax(draft(ids).logits[0, -1] / temperature, -1)  # [vocab], 0 off-head
+        out = smollm2.model(ids, output_hidden_states=True)
+        p = torch.softmax(out.logits[0, -1] / temperature, -1)  # [vocab]
+        if method == "eagle":  # (f_i, t_{i+1}) for i < n - 1: its last output scores token n
+            f = out.hidden_states[-1][:, :-1]  # [1, n - 1, hidden]
+            last = draft.logits(draft(f, ids[:, 1:]))[0, -1]
+        else:
+            last = draft(ids).logits[0, -1]
+        q = torch.softmax(last / temperature, -1)  # [vocab], 0 off-head
     return p, q
 
 
@@ -71,21 +90,20 @@ def _output_tv(p, q, sampler) -> float:
     return 0.5 * (counts / SAMPLES - expected).abs().sum().item()
 
 
-def test_sampling_with_the_trained_draft_follows_the_target(smollm2, draft):
-    p, q = _next_token_distributions(smollm2, draft)
+def test_sampling_with_the_trained_draft_follows_the_target(smollm2, draft, method):
+    p, q = _next_token_distributions(smollm2, draft, method)
     assert _output_tv(p, q, verify_sampling) < TV_BOUND
 
 
-def test_the_distribution_check_catches_a_sampler_that_keeps_the_draft(smollm2, draft):
+def test_the_distribution_check_catches_a_sampler_that_keeps_the_draft(smollm2, draft, method):
     def keep_draft(d, q, p, gen):
         return VerifyResult(d.tolist(), 1, None)
 
-    p, q = _next_token_distributions(smollm2, draft)
+    p, q = _next_token_distributions(smollm2, draft, method)
     assert _output_tv(p, q, keep_draft) > TV_BOUND
 
 
-def test_a_draft_trained_for_another_target_is_refused(smollm2):
+def test_a_draft_trained_for_another_target_is_refused(smollm2, method):
     other = replace(smollm2, file_sha256="0" * 64)
-    location = resolve("smollm2-135m-draft", "llm").location
     with pytest.raises(IncompatiblePairError, match="trained for a target"):
-        load_compact_draft("smollm2-135m-draft", location, other, lambda _: None)
+        LOADERS[method](other)

@@ -175,7 +175,7 @@ def test_quick_fills_only_what_the_flags_leave_unset():
 
 
 def test_draft_mode_without_a_draft_model_is_refused_before_loading(capsys):
-    assert main(["bench", "engine", "--modes", "off,draft"]) == 2
+    assert main(["bench", "engine", "--modes", "off,draft", "--set", "engine.draft=null"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
 
 

@@ -35,7 +35,7 @@ def test_wrong_type_is_refused():
 
 
 def test_bad_choice_lists_the_valid_choices():
-    with pytest.raises(ConfigError, match="'off', 'ngram' or 'draft'"):
+    with pytest.raises(ConfigError, match="'off', 'ngram', 'draft' or 'eagle'"):
         load_config(None, ["engine.speculation.method=medusa"])
 
 

@@ -45,7 +45,7 @@ def summarise(turns: list[dict]) -> dict:
     }
 
 
-METHOD_ORDER = ("off", "ngram", "draft")
+METHOD_ORDER = ("off", "ngram", "draft", "eagle")
 
 
 def method_of(turn: dict) -> str:

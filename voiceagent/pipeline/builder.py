@@ -11,7 +11,7 @@ every call; each call gets its own services, context and clocks observer.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 # pipecat imports this (and the openai SDK, 0.4 s) lazily when the first LLM service is built:
@@ -52,10 +52,12 @@ class SharedModels:
         self.engine.close()
 
 
-def load_shared(cfg: Config, progress: Callable[[str], None] = print) -> SharedModels:
-    """Load the LLM and start its engine thread; warm the per-process ASR, TTS and VAD models so
-    the first call does not pay their load."""
-    llm = build_runtime(cfg.engine, cfg.paths.cache_dir, progress)
+def load_shared(cfg: Config, progress: Callable[[str], None] = print,
+                also: Collection[str] = ()) -> SharedModels:
+    """Load the LLM (with the drafts of the methods in `also`, for a benchmark) and start its
+    engine thread; warm the per-process ASR, TTS and VAD models so the first call does not pay
+    their load."""
+    llm = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
     asr = resolve(cfg.asr.model, "asr")
     progress(f"loading ASR {cfg.asr.model} ...")
     shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type)

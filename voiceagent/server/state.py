@@ -63,7 +63,7 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
 
     def resident() -> float:
         llm = state.shared.llm if state.shared else None
-        return float(resident_bytes(llm.target, llm.draft)) if llm else 0.0
+        return float(resident_bytes(llm.target, llm.draft, llm.eagle)) if llm else 0.0
 
     metrics = TurnMetrics(active_calls=lambda: len(calls.active), resident_bytes=resident)
     state = ServerState(cfg, calls, store, events, metrics,

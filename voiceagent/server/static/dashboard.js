@@ -13,8 +13,8 @@ const TURNS_LIMIT = 5000; // turns plotted over time, the newest
 const MAX_STEPS = 5000; // points of the drafting vs verification scatter, the newest
 const K_TURNS = 20; // turns whose K history is drawn, the newest
 
-const METHOD_ORDER = ["off", "ngram", "draft"];
-const METHOD_COLOURS = { off: "#6e7781", ngram: "#0969da", draft: "#d1570b" };
+const METHOD_ORDER = ["off", "ngram", "draft", "eagle"];
+const METHOD_COLOURS = { off: "#6e7781", ngram: "#0969da", draft: "#d1570b", eagle: "#1a7f37" };
 const OTHER_COLOUR = "#8250df"; // a method this page does not know yet
 
 // The waterfall's segments, in the order a turn's time passes.
