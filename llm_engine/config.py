@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 STRICT = {"extra": "forbid", "validate_assignment": True}
+# Methods that draft with a model of their own (engine.draft, engine.eagle).
+MODEL_METHODS = ("draft", "eagle")
 
 
 @dataclass

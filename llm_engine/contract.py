@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from llm_engine.config import EngineConfig
+from llm_engine.config import MODEL_METHODS, EngineConfig
 from llm_engine.pair_card import (
     ModelIdentity,
     PairCard,
@@ -239,7 +239,7 @@ def make_pair_card(target, draft, config: EngineConfig, resident_bytes: int) -> 
     `target` and `draft` are `loading.LoadedModel`s; `draft` is None for methods without one.
     `resident_bytes` is the measured memory of the whole pair (seed 001 item 8).
     """
-    if config.speculation.method in ("draft", "eagle") and draft is None:
+    if config.speculation.method in MODEL_METHODS and draft is None:
         raise ValueError(f"speculation method {config.speculation.method!r} needs its draft")
     card = PairCard(
         target=ModelIdentity.from_loaded(target),

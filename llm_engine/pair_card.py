@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from llm_engine.config import SpeculationConfig
+from llm_engine.config import MODEL_METHODS, SpeculationConfig
 
 ALGORITHM = (
     "speculative decoding: the proposer drafts K tokens, the target verifies them in one pass "
@@ -140,7 +140,7 @@ def runtime_record(device: str, method: str) -> dict:
 
 def _draft_note(method: str, draft) -> str:
     if draft is not None:
-        used = "used" if method in ("draft", "eagle") else f"loaded but unused by method {method!r}"
+        used = "used" if method in MODEL_METHODS else f"loaded but unused by method {method!r}"
         return f"{draft.name} ({used})"
     if method == "ngram":
         return "none: the ngram proposer drafts by prompt lookup over the prompt and output"

