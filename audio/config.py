@@ -52,3 +52,6 @@ class TTSConfig:
     use_cuda: bool = False
     length_scale: float = 1.0  # >1 speaks slower
     min_clause_chars: int = 6  # a shorter clause ("Hi,") waits to be spoken with the next one
+    # The first phrase of a reply may end before a phrase opener ("with", "and") once it has
+    # this many words, so speech starts sooner; 0: it ends at the first clause mark.
+    first_phrase_words: int = 4

@@ -5,6 +5,11 @@ the whitespace after it has arrived: that is what tells "3.5" and "1,000" (no sp
 of a clause, at the cost of waiting for the next token. Closing quotes and brackets stay with the
 clause they close. A clause shorter than `min_chars` is not sent alone ("Hi," "1."): it is joined
 to the next one, because a fragment that short sounds choppy and saves almost no time.
+
+The first phrase of a reply may end earlier, at a phrase boundary: with `first_phrase_words` set,
+once that many words have arrived, a word that opens a new phrase ("and", "with", "because",
+"in"...) ends the first phrase before it. Speech starts after a few words instead of a whole
+clause, and the break falls where a speaker may pause, so the prosody stays natural.
 """
 
 from __future__ import annotations
@@ -19,15 +24,23 @@ ABBREVIATIONS = {
     "no", "approx", "dept", "est", "fig", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep",
     "sept", "oct", "nov", "dec", "ave", "blvd", "rd", "gen", "gov", "sen", "rep", "capt", "lt",
 }
+# Words before which a first phrase may end: conjunctions, relative words and prepositions.
+PHRASE_OPENERS = {
+    "and", "but", "or", "so", "because", "since", "although", "though", "while", "which", "who",
+    "where", "when", "that", "if", "unless", "until", "with", "without", "for", "from", "in",
+    "on", "at", "by", "about", "after", "before", "during", "into", "through", "to", "than",
+}
 
 
 class ClauseSplitter:
     """Feed text deltas with `push`; get complete clauses back; `flush` returns the rest."""
 
-    def __init__(self, min_chars: int = 6):
+    def __init__(self, min_chars: int = 6, first_phrase_words: int = 0):
         self.min_chars = min_chars
+        self.first_phrase_words = first_phrase_words  # 0: the first phrase is a whole clause
         self._buf = ""
         self._scan = 0  # buffer offset up to which no boundary needs checking again
+        self._first = True  # nothing returned yet since the start (or reset)
 
     @property
     def pending(self) -> str:
@@ -44,6 +57,11 @@ class ClauseSplitter:
             self._scan = 0
             if clause:
                 clauses.append(clause)
+        if not clauses and self._first and (end := self._first_phrase_end()) is not None:
+            clauses.append(self._buf[:end].strip())
+            self._buf = self._buf[end:].lstrip()
+            self._scan = 0
+        self._first = self._first and not clauses
         return clauses
 
     def flush(self) -> str | None:
@@ -55,6 +73,21 @@ class ClauseSplitter:
     def reset(self) -> None:
         self._buf = ""
         self._scan = 0
+        self._first = True
+
+    def _first_phrase_end(self) -> int | None:
+        """Offset of a phrase opener after at least `first_phrase_words` words, or None."""
+        if not self.first_phrase_words:
+            return None
+        words = self._buf.split(" ")
+        if len(words) <= self.first_phrase_words + 1:
+            return None  # the opener must be followed by a space: a whole word
+        offset = 0
+        for n, word in enumerate(words[:-1]):
+            if n >= self.first_phrase_words and word.lower() in PHRASE_OPENERS:
+                return offset
+            offset += len(word) + 1
+        return None
 
     def _next_boundary(self) -> int | None:
         """Offset just after the first accepted clause end in the buffer, or None."""
@@ -97,9 +130,9 @@ class ClauseSplitter:
         return "." not in word  # "e.g." "U.S." "a.m."
 
 
-def split_clauses(text: str, min_chars: int = 6) -> list[str]:
+def split_clauses(text: str, min_chars: int = 6, first_phrase_words: int = 0) -> list[str]:
     """Split a whole text into clauses, by the same rules as the streaming splitter."""
-    splitter = ClauseSplitter(min_chars)
+    splitter = ClauseSplitter(min_chars, first_phrase_words)
     clauses = splitter.push(text)
     rest = splitter.flush()
     return clauses + [rest] if rest else clauses

@@ -52,6 +52,7 @@ class RequestState:
     stats: RequestStats
     t_start: float
     reuse_len: int = 0  # prompt tokens whose KV came from the session cache
+    bound: bool = False  # the session's cache was taken (at the first step, see _bind_session)
     prefilled: bool = False
     finished: bool = False
     finish_reason: str | None = None  # 'eos' | 'length' | 'cancelled'
@@ -114,7 +115,8 @@ class SpeculativeEngine:
         session_id: str | None = None,
         method: str | None = None,
     ) -> RequestState:
-        """Create a request. No model work happens here; the first step() prefills."""
+        """Create a request. No model work happens here; the first step() takes the session's
+        prefix cache and prefills."""
         sampling = sampling or self.config.sampling
         method = method or self.spec.method
         prompt_ids = list(prompt_ids)
@@ -122,8 +124,7 @@ class SpeculativeEngine:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.config.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens >= max_context")
-        cache, proposer, reuse_len = self._take_session(session_id, prompt_ids, method)
-        proposer.begin(prompt_ids)
+        proposer = self._new_proposer(method)
         spec = self.spec
         generator = make_generator(sampling.seed, self.device)
         # Drafts without q are verified with per-position noise, so their tokens do not depend on
@@ -138,7 +139,7 @@ class SpeculativeEngine:
             session_id=session_id,
             method=method,
             token_ids=list(prompt_ids),
-            cache=cache,
+            cache=None,
             generator=generator,
             # The seed itself when there is one; else the generator's fresh random seed.
             noise_seed=generator.initial_seed(),
@@ -155,7 +156,6 @@ class SpeculativeEngine:
             ),
             stats=RequestStats(method=method, prompt_tokens=len(prompt_ids)),
             t_start=time.perf_counter(),
-            reuse_len=reuse_len,
         )
 
     def step(self, state: RequestState) -> list[int]:
@@ -171,6 +171,7 @@ class SpeculativeEngine:
             return []
         with torch.inference_mode():
             if not state.prefilled:
+                self._bind_session(state)
                 return self._prefill(state, budget)
             return self._speculative_step(state, budget)
 
@@ -322,22 +323,40 @@ class SpeculativeEngine:
 
     # -- prefix reuse between turns of one session ----------------------------------------------
 
+    def _bind_session(self, state: RequestState) -> None:
+        """Give the request its session's cache (cropped to the shared prefix) or a fresh one.
+
+        Done at the first step, on the thread that steps requests, not in start(): a request
+        cancelled just before this one was submitted (an early reply discarded because the caller
+        went on) has released its cache by then, so its prefix is reused, not prefilled again.
+        """
+        if state.bound:
+            return
+        state.bound = True
+        cache, proposer, state.reuse_len = self._take_session(
+            state.session_id, state.prompt_ids, state.method, state.proposer)
+        state.cache, state.proposer = cache, proposer
+        proposer.begin(state.prompt_ids)
+
     def _take_session(
-        self, session_id: str | None, prompt_ids: list[int], method: str
+        self, session_id: str | None, prompt_ids: list[int], method: str, fresh: Proposer
     ) -> tuple[DynamicCache, Proposer, int]:
-        """The session's cache cropped to the prompt's shared prefix, or a fresh one."""
+        """The session's cache cropped to the prompt's shared prefix, or a new cache with the
+        `fresh` proposer."""
         entry = None
         if session_id is not None:
             with self._lock:
                 entry = self._sessions.pop(session_id, None)
         if entry is None:
-            return kv.new_cache(self.target), self._new_proposer(method), 0
+            return kv.new_cache(self.target), fresh, 0
         # Keep at least one prompt token to feed: its logits give the first new token.
         keep = min(kv.common_prefix_len(entry.cached_tokens, prompt_ids), len(prompt_ids) - 1)
         proposer = entry.proposer
-        if entry.method != method:
+        if entry.method == method:
+            fresh.release()
+        else:
             proposer.release()
-            proposer = self._new_proposer(method)
+            proposer = fresh
             if getattr(proposer, "uses_target_hidden", False):
                 keep = 0  # it never saw the cached positions' hidden states: prefill them all
         kv.crop_to(entry.cache, keep)

@@ -12,7 +12,7 @@ import hashlib
 import os
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -42,6 +42,22 @@ class ServerConfig(BaseModel):
     max_calls: int = Field(4, ge=1)
     max_message_bytes: int = Field(64 * 1024, ge=1024)
     idle_timeout_s: float = Field(60.0, gt=0)
+
+
+class TurnConfig(BaseModel):
+    """Turn-taking: when the caller's turn ends, early preparation, and what may interrupt."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # Start the reply at the caller's first pause, held until the turn is confirmed with the
+    # same transcript (committed) or dropped when the caller goes on (discarded).
+    prepare: bool = True
+    # vad: the turn ends at the VAD stop (its stop_secs hangover); smart_turn: pipecat's local
+    # Smart Turn v3 model decides whether the pause ends the sentence.
+    stop: Literal["vad", "smart_turn"] = "vad"
+    # While the bot speaks, the caller must say at least this many words to take the turn, so a
+    # "mm-hmm" does not cut it off; 0 or 1: any speech the VAD hears interrupts at once.
+    min_interrupt_words: int = Field(0, ge=0)
 
 
 class AgentConfig(BaseModel):
@@ -80,6 +96,7 @@ class Config(BaseModel):
     asr: ASRConfig = Field(default_factory=ASRConfig)
     tts: TTSConfig = Field(default_factory=TTSConfig)
     vad: VADConfig = Field(default_factory=VADConfig)
+    turn: TurnConfig = Field(default_factory=TurnConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)

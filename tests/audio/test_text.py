@@ -73,3 +73,18 @@ def test_reset_drops_pending_text():
     s.push("Half a clause")
     s.reset()
     assert s.pending == "" and s.flush() is None
+
+
+def test_first_phrase_ends_before_a_phrase_opener_after_enough_words():
+    splitter = ClauseSplitter(min_chars=6, first_phrase_words=3)
+    out = []
+    for token in ["I", " can", " help", " you", " with", " that", " order", ". ", "And", " then"]:
+        out += splitter.push(token)
+    assert out == ["I can help you", "with that order."]  # only the first phrase is cut early
+
+
+def test_first_phrase_waits_for_enough_words_and_a_whole_opener():
+    splitter = ClauseSplitter(min_chars=6, first_phrase_words=3)
+    assert splitter.push("It is in") == []  # "in" after two words: too early to break
+    assert splitter.push(" the box with") == []  # "with" may still be the start of "without"
+    assert splitter.push(" a") == ["It is in the box"]

@@ -129,3 +129,20 @@ async def test_close_cancels_in_flight_requests(target, tokenizer):
     await asyncio.get_running_loop().run_in_executor(None, engine.close)
     result = await asyncio.wait_for(handle.result(), 5)
     assert result.finish_reason == "cancelled"
+
+
+async def test_a_discarded_request_leaves_its_prefix_kv_to_the_next_one(serving, tokenizer):
+    # An early reply is cancelled because the caller went on, and the next request (the whole
+    # sentence) is submitted at once, before the worker has honoured the cancel: it must still
+    # reuse the discarded request's KV and prefill only the new tokens.
+    spoken = _prompt(tokenizer, "User: what is the capital")
+    first = serving.submit(spoken, session_id="call")
+    async for _ in first:
+        break  # it has prefilled and produced its first token
+    first.cancel()
+    whole = spoken + _prompt(tokenizer, " of Spain and why?")
+    second = serving.submit(whole, session_id="call")
+    assert (await first.result()).finish_reason == "cancelled"
+    stats = (await second.result()).stats
+    assert stats.reused_prefix_tokens == len(spoken)
+    assert stats.prefill_tokens == len(whole) - len(spoken)

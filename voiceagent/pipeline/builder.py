@@ -1,8 +1,13 @@
 """Assemble one call's pipecat pipeline from the config and the process-wide models.
 
-    transport.input() -> VADProcessor (Silero) -> StreamingWhisperSTTService
-      -> user aggregator -> SpeculativeLLMService -> ClausePiperTTSService
+    transport.input() -> PausingVADProcessor (Silero) -> StreamingWhisperSTTService
+      -> user aggregator -> SpeculativeLLMService -> ClausePiperTTSService -> HeldReplyGate
       -> transport.output() -> assistant aggregator
+
+Early preparation (turn.prepare) runs through it: the VAD reports the caller's pause, the STT
+transcribes it as an eager end of turn, the user aggregator's stop strategy (turns.py) starts a
+reply from a provisional context, and the gate after the TTS holds that reply until the turn is
+confirmed.
 
 The engine and the Whisper model are loaded once per process (`SharedModels`) and shared by
 every call; each call gets its own services, context and clocks observer.
@@ -24,21 +29,20 @@ from pipecat.processors.aggregators.llm_response_universal import (
     LLMContextAggregatorPair,
     LLMUserAggregatorParams,
 )
-from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_transport import BaseTransport
-from pipecat.turns.user_stop import SpeechTimeoutUserTurnStopStrategy
-from pipecat.turns.user_turn_strategies import UserTurnStrategies
 
 from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config
 from voiceagent.llm_setup import LLMRuntime, build_runtime
 from voiceagent.models import resolve
 from voiceagent.pipeline.clocks import ClocksObserver, TurnRecord
+from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.stt import make_stt, shared_whisper
 from voiceagent.pipeline.tts import make_tts, shared_piper_voice
-from voiceagent.pipeline.vad import make_vad
+from voiceagent.pipeline.turns import turn_strategies
+from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
 
 
 @dataclass
@@ -96,11 +100,8 @@ def build_call(
     """
     call_id = call_id or uuid.uuid4().hex[:12]
     context = LLMContext()
-    # The VAD's stop_secs is already the hangover; waiting longer after it only adds latency,
-    # and the STT's finalized transcript releases the turn at once.
-    strategies = UserTurnStrategies(stop=[SpeechTimeoutUserTurnStopStrategy(user_speech_timeout=0)])
     aggregators = LLMContextAggregatorPair(
-        context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies)
+        context, user_params=LLMUserAggregatorParams(user_turn_strategies=turn_strategies(cfg.turn))
     )
     llm = SpeculativeLLMService(
         shared.engine,
@@ -112,11 +113,12 @@ def build_call(
     pipeline = Pipeline([
         transport.input(),
         *after_input,
-        VADProcessor(vad_analyzer=make_vad(cfg.vad)),
-        make_stt(cfg.asr),
+        PausingVADProcessor(vad_analyzer=make_vad(cfg.vad)),
+        make_stt(cfg.asr, prepare=cfg.turn.prepare),
         aggregators.user(),
         llm,
         make_tts(cfg.tts),
+        HeldReplyGate(),
         *before_output,
         transport.output(),
         aggregators.assistant(),

@@ -51,11 +51,16 @@ Frames:
     in   StartFrame                     prefill the system prompt into the call's session cache
          LLMContextFrame                end any reply in flight; submit; stream the new reply
          InterruptionFrame              cancel the engine request, stop streaming; forwarded
-         EagerEndOfTurnCancelFrame      same, for a reply started from a speculative context; fwd
+         LLMContextFrame(speculation)   a reply prepared before the turn is confirmed: the same,
+                                        but it starts with a PreparedResponseStartFrame, which
+                                        the held-reply gate after the TTS holds until commit
+         UserStoppedSpeakingFrame       the turn is confirmed: the prepared reply is committed; fwd
+         EagerEndOfTurnCancelFrame      cancel a prepared reply (it is discarded); forwarded
          EndFrame                       let the reply in flight finish, then forwarded
          CancelFrame                    cancel everything; forwarded
          anything else                  forwarded
-    out  LLMFullResponseStartFrame, LLMTextFrame (one per non-empty delta), LLMFullResponseEndFrame
+    out  LLMFullResponseStartFrame (PreparedResponseStartFrame for a prepared reply), LLMTextFrame
+             (one per non-empty delta), LLMFullResponseEndFrame
              (not for an interrupted reply: the InterruptionFrame ends it)
          MetricsFrame[EngineStatsMetricsData] when each engine request ends, interrupted or not,
              whether or not pipecat metrics are enabled (the clocks observer reads it)
@@ -67,6 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -83,6 +89,7 @@ from pipecat.frames.frames import (
     LLMUpdateSettingsFrame,
     MetricsFrame,
     StartFrame,
+    UserStoppedSpeakingFrame,
 )
 from pipecat.processors.aggregators.llm_context import (
     LLMContext,
@@ -97,6 +104,7 @@ from pipecat.utils.errors import ErrorCategory
 from llm_engine.config import SamplingConfig
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine, Completion, RequestHandle
+from voiceagent.pipeline.frames import PreparedResponseStartFrame
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -129,9 +137,11 @@ def chat_messages(context: LLMContext, system_prompt: str | None = None) -> list
 class _Request:
     id: str
     handle: RequestHandle
-    speculative: bool  # started from a context pipecat may still withdraw
+    prepared: bool  # started before the caller's turn was confirmed
+    speculative: bool  # prepared, and the turn is not confirmed yet: it may still be withdrawn
     stream: asyncio.Task | None = None  # pushes the reply's frames; set at submit
     interrupted: bool = False  # the engine request was cut short
+    discarded: bool = False  # withdrawn before its turn was confirmed
     push_end: bool = True  # False when an interruption, not an End, ends the reply downstream
 
 
@@ -187,20 +197,30 @@ class SpeculativeLLMService(LLMService):
     # -- frames ---------------------------------------------------------------------------------
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
+        prepared = False
         if isinstance(frame, LLMContextFrame):
-            # Before the base class registers the new inference with its speculation gate: the
-            # superseded reply's End belongs to the old one.
+            # Before the base class registers the new inference: the superseded reply's End
+            # belongs to the old one.
             await self._interrupt(push_end=True)
+            # A prepared reply is held after the TTS (held_reply.py), so that its first phrase is
+            # synthesised before the turn is confirmed; the base class's own gate, which would
+            # hold it here, must let it through.
+            prepared, frame = frame.speculation, dataclasses.replace(frame, speculation=False)
         await super().process_frame(frame, direction)
 
         if isinstance(frame, LLMContextFrame):
-            await self._begin(frame.context, speculative=frame.speculation)
+            await self._begin(frame.context, prepared=prepared)
         elif isinstance(frame, InterruptionFrame):
             await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
             if self._current is not None and self._current.speculative:
+                self._current.discarded = True
                 await self._interrupt(push_end=False)
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, UserStoppedSpeakingFrame):
+            if self._current is not None:
+                self._current.speculative = False  # committed: no withdrawal applies any more
             await self.push_frame(frame, direction)
         elif isinstance(frame, LLMUpdateSettingsFrame):
             pass  # LLMService applied it, or pushed it on when it names another service
@@ -255,7 +275,7 @@ class SpeculativeLLMService(LLMService):
 
     # -- one request ----------------------------------------------------------------------------
 
-    async def _begin(self, context: LLMContext, speculative: bool) -> None:
+    async def _begin(self, context: LLMContext, prepared: bool) -> None:
         self._log_llm_response(context)
         if self._warmup is not None and not self._warmup.done():
             # Its prefill is this request's prefix: waiting for it costs nothing extra.
@@ -275,7 +295,7 @@ class SpeculativeLLMService(LLMService):
             return
         # No await from submit to here: an interruption cancels the process task at an await,
         # and must find the request registered, with its tasks.
-        request = _Request(f"{self._session_id}-{next(self._numbers)}", handle, speculative)
+        request = _Request(f"{self._session_id}-{next(self._numbers)}", handle, prepared, prepared)
         request.stream = self.create_task(self._stream(request), f"stream-{request.id}")
         reporter = self.create_task(self._report(request), f"report-{request.id}")
         self._reporters.add(reporter)
@@ -287,7 +307,8 @@ class SpeculativeLLMService(LLMService):
         """Push the reply's frames as the engine's deltas arrive."""
         await self.start_processing_metrics()
         await self.start_ttfb_metrics()
-        await self.push_frame(LLMFullResponseStartFrame())
+        await self.push_frame(
+            PreparedResponseStartFrame() if request.prepared else LLMFullResponseStartFrame())
         try:
             async for delta in request.handle:
                 if delta.text:
@@ -322,6 +343,8 @@ class SpeculativeLLMService(LLMService):
             interrupted=request.interrupted,
             finish_reason=completion.finish_reason,
             stats=completion.stats.to_dict(),
+            prepared=request.prepared,
+            discarded=request.discarded,
         )
 
     async def _interrupt(self, push_end: bool) -> None:

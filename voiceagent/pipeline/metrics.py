@@ -18,6 +18,14 @@ class EngineStatsMetricsData(MetricsData):
     interrupted: bool
     finish_reason: str
     stats: dict
+    prepared: bool = False  # started before the caller's turn was confirmed
+    discarded: bool = False  # prepared, then withdrawn: nobody heard it
+
+
+class HeldAudioMetricsData(MetricsData):
+    """Audio of a prepared reply that the held-reply gate dropped: synthesised, never played."""
+
+    discarded_audio_ms: float
 
 
 class ASRFinalMetricsData(MetricsData):

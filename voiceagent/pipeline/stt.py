@@ -5,6 +5,14 @@ the VAD stop, so the final always costs one full model run after the turn ends. 
 the utterance in an audio.asr.StreamingTranscriber, re-transcribes it at a cadence while the
 caller speaks (InterimTranscriptionFrame), and at the VAD stop reuses the last interim when it
 already covered the end of speech. The model always runs in a worker thread.
+
+Early response preparation: at the caller's first silent VAD window (UserSpeechPausedFrame) it
+transcribes the utterance so far and reports it as pipecat's eager end of turn
+(EagerTranscriptionFrame, through pipecat's EagerEndOfTurnSTTServiceMixin), so a reply can be
+prepared while the VAD's hangover runs. Speech again before the VAD stop withdraws it
+(EagerEndOfTurnCancelFrame). That transcript heard everything up to the pause, so at the VAD stop
+it is the final as it stands: the committed transcript equals the eager one unless the caller
+spoke again.
 """
 
 from __future__ import annotations
@@ -27,32 +35,40 @@ from pipecat.frames.frames import (
     VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
+from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.settings import STTSettings
 from pipecat.services.stt_service import STTService
 from pipecat.transcriptions.language import Language
+from pipecat.turns.eager_end_of_turn_mixin import EagerEndOfTurnSTTServiceMixin
 from pipecat.utils.time import time_now_iso8601
 
 from audio.asr import SAMPLE_RATE, StreamingTranscriber, Transcript
 from audio.config import ASRConfig
 from audio.loaders import load_whisper
 from voiceagent.models import resolve
+from voiceagent.pipeline.frames import UserSpeechPausedFrame, UserSpeechResumedFrame
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
 
 
-class StreamingWhisperSTTService(STTService):
+class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
     """Frames in: InputAudioRawFrame (any rate, resampled to 16 kHz), VADUserStartedSpeakingFrame,
-    VADUserStoppedSpeakingFrame. Frames out, besides everything passed through:
+    VADUserStoppedSpeakingFrame, UserSpeechPausedFrame, UserSpeechResumedFrame. Frames out,
+    besides everything passed through:
 
     - InterimTranscriptionFrame each `interim_every_ms` of new audio while the caller speaks; an
       interim that comes due while the previous one still runs is skipped, not queued;
+    - with `prepare`: EagerTranscriptionFrame after a pause, EagerEndOfTurnCancelFrame when the
+      caller speaks again before the VAD stop;
     - after each VAD stop, TranscriptionFrame(finalized=True) and a MetricsFrame carrying
-      ASRFinalMetricsData. The final waits for a running interim (at most one) and no more.
+      ASRFinalMetricsData. The final waits for a running interim or pause transcript and no more.
     """
 
-    def __init__(self, *, model, cfg: ASRConfig, ttfs_p99_latency: float = 1.0, **kwargs):
+    def __init__(self, *, model, cfg: ASRConfig, prepare: bool = False,
+                 ttfs_p99_latency: float = 1.0, **kwargs):
         super().__init__(
             settings=STTSettings(model=cfg.model, language=cfg.language or None),
             ttfs_p99_latency=ttfs_p99_latency,
+            enable_eager_end_of_turn=prepare,
             **kwargs,
         )
         self._model = model
@@ -62,6 +78,9 @@ class StreamingWhisperSTTService(STTService):
         self._utterance: StreamingTranscriber | None = None  # set between VAD start and stop
         self._interim_task: asyncio.Task | None = None
         self._final_task: asyncio.Task | None = None
+        self._pause_task: asyncio.Task | None = None  # transcribes the utterance at a pause
+        self._paused = False  # between a pause and the speech that resumes it (or the stop)
+        self._pauses = 0  # counts pauses and resumes: a pause transcript belongs to one pause
         self._resampler = create_stream_resampler()
 
     def can_generate_metrics(self) -> bool:
@@ -79,6 +98,42 @@ class StreamingWhisperSTTService(STTService):
             self._maybe_start_interim()
         yield None  # results are pushed by the interim and final tasks
 
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if isinstance(frame, UserSpeechPausedFrame):
+            self._on_pause()
+        elif isinstance(frame, UserSpeechResumedFrame):
+            self._paused = False  # a pause transcript still running is now stale
+            self._pauses += 1
+            await self._cancel_eager_end_of_turn()
+
+    def _on_pause(self) -> None:
+        utterance = self._utterance
+        if utterance is None or not self.eager_end_of_turn_enabled:
+            return
+        self._paused = True
+        self._pauses += 1
+        running = [t for t in (self._interim_task, self._pause_task) if t is not None]
+        self._pause_task = self.create_task(
+            self._transcribe_pause(utterance, utterance.samples, running, self._pauses),
+            name="asr_pause")
+
+    async def _transcribe_pause(self, utterance: StreamingTranscriber, pause_at: int,
+                                running: list[asyncio.Task], pause: int):
+        """The utterance up to the pause, as an eager end of turn (unless the caller went on)."""
+        try:
+            for task in running:
+                await task  # one model run at a time: two would share the same cores
+            result = utterance.last_interim
+            if not utterance.covers(pause_at):
+                result = await asyncio.to_thread(utterance.interim)
+        except Exception as e:
+            await self.push_error(f"{self}: pause transcription failed: {e}", exception=e)
+            return
+        if pause == self._pauses and utterance is self._utterance and result and result.text:
+            await self._push_eager_end_of_turn(result.text, user_id=self._user_id,
+                                               language=self._language())
+
     async def _handle_vad_user_started_speaking(self, frame: VADUserStartedSpeakingFrame):
         await super()._handle_vad_user_started_speaking(frame)
         if self._utterance is None:
@@ -89,6 +144,7 @@ class StreamingWhisperSTTService(STTService):
     async def _handle_vad_user_stopped_speaking(self, frame: VADUserStoppedSpeakingFrame):
         await super()._handle_vad_user_stopped_speaking(frame)
         utterance, self._utterance = self._utterance, None
+        self._paused = False
         if utterance is None:
             return
         # Speech ended stop_secs before the VAD said so: the hangover is silence.
@@ -96,15 +152,16 @@ class StreamingWhisperSTTService(STTService):
         # The clock starts when the stop reaches us, not at frame.timestamp: a frame can be built
         # before it is sent (tests, replays), and what we measure is our own delay.
         self._final_task = self.create_task(
-            self._finalize(utterance, speech_end, time.time(), self._interim_task,
+            self._finalize(utterance, speech_end, time.time(),
+                           [t for t in (self._interim_task, self._pause_task) if t is not None],
                            self._final_task),
             name="asr_final",
         )
 
     def _maybe_start_interim(self):
         utterance = self._utterance
-        if utterance is None or not utterance.interim_due():
-            return
+        if utterance is None or self._paused or not utterance.interim_due():
+            return  # paused: the pause transcript is the one that matters
         if self._interim_task is not None and not self._interim_task.done():
             return  # skip: queueing interims would only delay the final
         self._interim_task = self.create_task(self._run_interim(utterance), name="asr_interim")
@@ -128,14 +185,14 @@ class StreamingWhisperSTTService(STTService):
         utterance: StreamingTranscriber,
         speech_end: int,
         stopped_at: float,
-        interim: asyncio.Task | None,
+        running: list[asyncio.Task],
         previous: asyncio.Task | None,
     ):
         try:
             if previous is not None:
                 await previous  # finals go out in utterance order
-            if interim is not None:
-                await interim  # it may cover the end of speech; never wait for more than this one
+            for task in running:
+                await task  # they may cover the end of speech; never wait for more than these
             if utterance.covers(speech_end):
                 result = utterance.final(speech_end)  # no model run
             else:
@@ -146,6 +203,7 @@ class StreamingWhisperSTTService(STTService):
         await self._push_final(result, stopped_at)
 
     async def _push_final(self, result: Transcript, stopped_at: float):
+        self._clear_eager_end_of_turn()
         final_ms = (time.time() - stopped_at) * 1000
         logger.debug(
             f"{self}: final [{result.text}] {final_ms:.0f} ms after VAD stop "
@@ -180,10 +238,10 @@ class StreamingWhisperSTTService(STTService):
         await super().cancel(frame)
 
     async def _cancel_tasks(self):
-        for task in (self._interim_task, self._final_task):
+        for task in (self._interim_task, self._pause_task, self._final_task):
             if task is not None and not task.done():
                 await self.cancel_task(task)
-        self._interim_task = self._final_task = None
+        self._interim_task = self._pause_task = self._final_task = None
 
 
 @lru_cache(maxsize=4)
@@ -193,9 +251,10 @@ def shared_whisper(location: str, device: str, compute_type: str):
     return load_whisper(location, device=device, compute_type=compute_type)
 
 
-def make_stt(cfg: ASRConfig) -> StreamingWhisperSTTService:
-    """The pipeline's STT service; the model is loaded once per process."""
+def make_stt(cfg: ASRConfig, prepare: bool = False) -> StreamingWhisperSTTService:
+    """The pipeline's STT service; the model is loaded once per process. `prepare`: report an
+    eager end of turn at each pause."""
     location = resolve(cfg.model, "asr").location
     return StreamingWhisperSTTService(
-        model=shared_whisper(location, cfg.device, cfg.compute_type), cfg=cfg
+        model=shared_whisper(location, cfg.device, cfg.compute_type), cfg=cfg, prepare=prepare
     )

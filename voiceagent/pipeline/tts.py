@@ -9,7 +9,10 @@ takes about 0.5 s and 60 MB, too much per call and too slow for the event loop).
 - the text aggregator: pipecat's SimpleTextAggregator waits for the end of a sentence; ours
   releases each clause (audio.text.ClauseSplitter), so the first audio comes sooner;
 - run_tts synthesises text clause by clause too, for text that arrives whole (TTSSpeakFrame),
-  passes our length scale to Piper, and resamples each clause in one piece (see _synthesize).
+  passes our length scale to Piper, and resamples each clause in one piece (see _synthesize);
+- a prepared reply (PreparedResponseStartFrame) is synthesised like any other, and its audio is
+  held after us (held_reply.py); when it is withdrawn (EagerEndOfTurnCancelFrame) we drop it as
+  an interruption would: its queued text, its clause in progress and its audio.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from functools import lru_cache
 from pathlib import Path
 
 from loguru import logger
-from pipecat.frames.frames import ErrorFrame, Frame
+from pipecat.frames.frames import (
+    EagerEndOfTurnCancelFrame,
+    ErrorFrame,
+    Frame,
+    InterruptionFrame,
+    LLMFullResponseStartFrame,
+    UserStoppedSpeakingFrame,
+)
+from pipecat.processors.frame_processor import FrameDirection
 from pipecat.services.settings import TTSSettings
 from pipecat.services.tts_service import TTSService
 from pipecat.utils.text.base_text_aggregator import Aggregation, BaseTextAggregator, TextType
@@ -32,15 +43,17 @@ from audio.loaders import load_piper
 from audio.text import ClauseSplitter, split_clauses
 from audio.wav import resample
 from voiceagent.models import resolve
+from voiceagent.pipeline.frames import PreparedResponseStartFrame
 
 
 class ClauseTextAggregator(BaseTextAggregator):
     """pipecat text aggregator that yields clauses. Aggregations are typed SENTENCE: to pipecat a
     clause is a unit to speak, like a sentence."""
 
-    def __init__(self, *, min_chars: int = 6, language: str | None = None):
+    def __init__(self, *, min_chars: int = 6, first_phrase_words: int = 0,
+                 language: str | None = None):
         super().__init__(aggregation_type=TextType.SENTENCE, language=language)
-        self._splitter = ClauseSplitter(min_chars)
+        self._splitter = ClauseSplitter(min_chars, first_phrase_words)
 
     @property
     def text(self) -> Aggregation:
@@ -63,9 +76,10 @@ class ClauseTextAggregator(BaseTextAggregator):
 
 class ClausePiperTTSService(TTSService):
     """Frames in: LLMFullResponseStartFrame, LLMTextFrame..., LLMFullResponseEndFrame, or
-    TTSSpeakFrame; InterruptionFrame. Frames out: TTSStartedFrame, TTSAudioRawFrame (at the
-    output rate) per clause, TTSTextFrame, TTSStoppedFrame; on interruption, queued audio is
-    dropped and nothing more of the interrupted reply is spoken.
+    TTSSpeakFrame; InterruptionFrame; EagerEndOfTurnCancelFrame, UserStoppedSpeakingFrame.
+    Frames out: TTSStartedFrame, TTSAudioRawFrame (at the output rate) per clause, TTSTextFrame,
+    TTSStoppedFrame; on interruption, or the withdrawal of a prepared reply, queued audio is
+    dropped and nothing more of that reply is synthesised.
     """
 
     def __init__(self, *, voice, voice_name: str, cfg: TTSConfig, **kwargs):
@@ -77,10 +91,24 @@ class ClausePiperTTSService(TTSService):
         )
         self._voice = voice  # a loaded piper.PiperVoice, shared by every call
         self._min_clause_chars = cfg.min_clause_chars
+        self._first_phrase_words = cfg.first_phrase_words
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
         self._text_aggregator = ClauseTextAggregator(
-            min_chars=cfg.min_clause_chars, language=self._text_aggregator.language
+            min_chars=cfg.min_clause_chars, first_phrase_words=cfg.first_phrase_words,
+            language=self._text_aggregator.language,
         )
+        self._preparing = False  # synthesising a reply whose turn is not confirmed yet
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        if isinstance(frame, LLMFullResponseStartFrame):
+            self._preparing = isinstance(frame, PreparedResponseStartFrame)
+        elif isinstance(frame, UserStoppedSpeakingFrame):
+            self._preparing = False  # the turn is confirmed: the reply is committed
+        await super().process_frame(frame, direction)
+        if isinstance(frame, EagerEndOfTurnCancelFrame) and self._preparing:
+            self._preparing = False
+            await self._start_interruption()  # its text still queued here goes too
+            await self._handle_interruption(InterruptionFrame(), direction)
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -90,7 +118,8 @@ class ClausePiperTTSService(TTSService):
         try:
             await self.start_tts_usage_metrics(text)
             async for frame in self._stream_audio_frames_from_iterator(
-                self._synthesize(split_clauses(text, self._min_clause_chars)),
+                self._synthesize(
+                    split_clauses(text, self._min_clause_chars, self._first_phrase_words)),
                 in_sample_rate=self.sample_rate,  # already resampled, see _synthesize
                 context_id=context_id,
             ):

@@ -16,10 +16,14 @@ import copy
 from functools import lru_cache
 
 from pipecat.audio.vad.silero import SileroOnnxModel, SileroVADAnalyzer
-from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams
+from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
+from pipecat.frames.frames import Frame, InputAudioRawFrame
+from pipecat.processors.audio.vad_processor import VADProcessor
+from pipecat.processors.frame_processor import FrameDirection
 
 from audio.config import VADConfig
 from voiceagent.models import resolve
+from voiceagent.pipeline.frames import UserSpeechPausedFrame, UserSpeechResumedFrame
 
 
 @lru_cache(maxsize=4)
@@ -41,6 +45,12 @@ class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
         self._windows_since_reset = 0
         self._low_confidence_windows = 0
 
+    @property
+    def state(self) -> VADState:
+        """The analyzer's own state, STARTING and STOPPING included (the controller only
+        reports SPEAKING and QUIET)."""
+        return self._vad_state
+
 
 def vad_params(cfg: VADConfig) -> VADParams:
     return VADParams(
@@ -55,3 +65,27 @@ def make_vad(cfg: VADConfig, sample_rate: int | None = None) -> RegistrySileroVA
     """The VAD analyzer for a pipecat VADProcessor (or a transport's input)."""
     path = resolve(cfg.model, "vad").location
     return RegistrySileroVADAnalyzer(str(path), sample_rate=sample_rate, params=vad_params(cfg))
+
+
+class PausingVADProcessor(VADProcessor):
+    """pipecat's VADProcessor, plus the caller's pauses inside a turn.
+
+    Frames out, besides VADProcessor's: UserSpeechPausedFrame at the first silent window after
+    speech (the VAD is then counting down its `stop_secs`), UserSpeechResumedFrame when speech
+    comes back before the VAD stop. Both are broadcast, as the VAD frames are.
+    """
+
+    def __init__(self, *, vad_analyzer: RegistrySileroVADAnalyzer, **kwargs):
+        super().__init__(vad_analyzer=vad_analyzer, **kwargs)
+        self._analyzer = vad_analyzer
+        self._state = VADState.QUIET
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if not isinstance(frame, InputAudioRawFrame):
+            return
+        state, self._state = self._state, self._analyzer.state
+        if state == VADState.SPEAKING and self._state == VADState.STOPPING:
+            await self.broadcast_frame(UserSpeechPausedFrame)
+        elif state == VADState.STOPPING and self._state == VADState.SPEAKING:
+            await self.broadcast_frame(UserSpeechResumedFrame)

@@ -1,0 +1,29 @@
+"""Our own pipecat frames: the caller's pauses inside a turn, and a reply prepared before its turn
+was confirmed (early response preparation, seed 001).
+
+pipecat's VAD reports speech start and stop; stop comes `stop_secs` (the hangover) after the last
+speech. The pause frames report the first silent VAD window and the speech that ends it, so the
+STT can transcribe and the LLM can start answering while the hangover runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipecat.frames.frames import LLMFullResponseStartFrame, SystemFrame
+
+
+@dataclass
+class UserSpeechPausedFrame(SystemFrame):
+    """The VAD's first silent window after speech: the turn may be over (or only paused)."""
+
+
+@dataclass
+class UserSpeechResumedFrame(SystemFrame):
+    """Speech again after a UserSpeechPausedFrame, before the VAD reported a stop."""
+
+
+@dataclass
+class PreparedResponseStartFrame(LLMFullResponseStartFrame):
+    """Starts a reply generated from a turn that was not yet confirmed: everything it produces is
+    held (voiceagent.pipeline.held_reply) until the turn ends with the same transcript."""
