@@ -1,15 +1,19 @@
-"""`voiceagent bench call`: the same scripted calls with speculation off and on, side by side.
+"""`voiceagent bench call`: the same scripted calls under several variants, side by side.
 
-Seed 001's bounded comparison: freeze the workload, measure with the feature on and off. Each
-scripted call runs once per mode, modes interleaved call by call, so machine noise falls on both.
-Reported per mode: turn end -> first audio (clock 3) p50/p95, request -> first token (clock 1),
-ITL (clock 2) p50, barge-in -> bot silent, and the median breakdown.
+Seed 001's bounded comparison: freeze the workload, measure with the feature on and off. A variant
+is a speculation method with optional features, `METHOD[+prepare][+smart_turn]`: early response
+preparation and the Smart Turn stop strategy on (a feature left out of the name is off). Each
+scripted call runs once per variant, variants interleaved call by call, so machine noise falls on
+all. Reported per variant: turn end -> first audio (clock 3) p50/p95, request -> first token
+(clock 1), ITL (clock 2) p50, barge-in -> bot silent, the median breakdown, and preparation:
+committed and discarded replies and the wasted work as a share of the work that answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,31 @@ from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
 
 DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v1.yaml"
+DEFAULT_VARIANTS = "off,ngram,off+prepare,ngram+prepare"
+FEATURES = ("prepare", "smart_turn")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    method: str
+    prepare: bool
+    smart_turn: bool
+
+    @classmethod
+    def parse(cls, name: str) -> Variant:
+        method, *features = name.split("+")
+        unknown = set(features) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown feature {'+'.join(sorted(unknown))!r} in variant {name!r}; "
+                             f"features: {', '.join(FEATURES)}")
+        return cls(name, method, "prepare" in features, "smart_turn" in features)
+
+    def configure(self, cfg: Config) -> Config:
+        cfg = cfg.model_copy(deep=True)
+        cfg.turn.prepare = self.prepare
+        cfg.turn.stop = "smart_turn" if self.smart_turn else "vad"
+        return cfg
 
 
 def caller_audio(voice, turns: list[dict]) -> np.ndarray:
@@ -36,6 +65,10 @@ def caller_audio(voice, turns: list[dict]) -> np.ndarray:
 
 def _f(x) -> str:
     return "–" if x is None else f"{x:.0f}"
+
+
+def _share(x) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
 
 
 def render(summary: dict[str, dict]) -> str:
@@ -53,6 +86,15 @@ def render(summary: dict[str, dict]) -> str:
             f"{_f(c1['p50'])} | {_f(itl['p50'])} / {_f(itl['p95'])} | {_f(bi['p50'])} / "
             f"{_f(bi['max'])} | {'–' if acc is None else f'{acc:.2f}'} |"
         )
+    lines += ["", "Early preparation:", "",
+              "| mode | prepared turns | committed | discarded | lead p50 ms | wasted tokens | "
+              "wasted audio |", "|---|--:|--:|--:|--:|--:|--:|"]
+    for mode, s in summary.items():
+        p = s["preparation"]
+        lines.append(
+            f"| {mode} | {p['prepared_turns']} | {p['committed']} | {p['discarded']} | "
+            f"{_f(p['lead_ms_p50'])} | {_share(p['wasted_tokens_share'])} | "
+            f"{_share(p['wasted_audio_share'])} |")
     lines += ["", "Median breakdown (ms):", "",
               "| mode | " + " | ".join(BREAKDOWN) + " |", "|---|" + "--:|" * len(BREAKDOWN)]
     for mode, s in summary.items():
@@ -61,11 +103,12 @@ def render(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-async def _run(cfg: Config, script: dict, modes: list[str], repeats: int) -> dict[str, list]:
+async def _run(cfg: Config, script: dict, variants: list[Variant],
+               repeats: int) -> dict[str, list]:
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress on stderr
-    shared = load_shared(cfg, say, also=modes)
+    shared = load_shared(cfg, say, also=[v.method for v in variants])
     voice = load_piper(resolve(cfg.tts.voice, "tts").location)
-    turns: dict[str, list] = {m: [] for m in modes}
+    turns: dict[str, list] = {v.name: [] for v in variants}
     try:
         for r in range(repeats):
             for i, call in enumerate(script["calls"]):
@@ -74,12 +117,13 @@ async def _run(cfg: Config, script: dict, modes: list[str], repeats: int) -> dic
                 if "system_prompt" in call:
                     call_cfg.agent.system_prompt = call["system_prompt"]
                     call_cfg.engine.sampling.max_new_tokens = 160
-                order = modes if (r + i) % 2 == 0 else modes[::-1]
-                for mode in order:
-                    result = await simulate_call(call_cfg, shared, audio, method=mode)
-                    say(f"[{call['name']}] {mode}: {len(result.turns)} turn(s)")
-                    turns[mode] += [dict(t.to_dict(), script_call=call["name"])
-                                    for t in result.turns]
+                order = variants if (r + i) % 2 == 0 else variants[::-1]
+                for v in order:
+                    result = await simulate_call(v.configure(call_cfg), shared, audio,
+                                                 method=v.method)
+                    say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)")
+                    turns[v.name] += [dict(t.to_dict(), script_call=call["name"])
+                                      for t in result.turns]
     finally:
         shared.close()
     return turns
@@ -88,8 +132,9 @@ async def _run(cfg: Config, script: dict, modes: list[str], repeats: int) -> dic
 def run_call_bench(cfg: Config, args) -> int:
     script_path = Path(args.script or DEFAULT_SCRIPT)
     script = yaml.safe_load(script_path.read_text())
-    modes = [m.strip() for m in (args.modes or "off,ngram").split(",") if m.strip()]
-    turns = asyncio.run(_run(cfg, script, modes, args.repeats))
+    modes = [m.strip() for m in (args.modes or DEFAULT_VARIANTS).split(",") if m.strip()]
+    variants = [Variant.parse(m) for m in modes]
+    turns = asyncio.run(_run(cfg, script, variants, args.repeats))
     summary = {m: summarise(t) for m, t in turns.items()}
     stamp = utc_stamp()
     header = (f"# Call benchmark\n\n- {stamp}, script {script_path.name} v{script.get('version')},"

@@ -55,8 +55,10 @@ class TurnConfig(BaseModel):
     # vad: the turn ends at the VAD stop (its stop_secs hangover); smart_turn: pipecat's local
     # Smart Turn v3 model decides whether the pause ends the sentence.
     stop: Literal["vad", "smart_turn"] = "vad"
-    # While the bot speaks, the caller must say at least this many words to take the turn, so a
-    # "mm-hmm" does not cut it off; 0 or 1: any speech the VAD hears interrupts at once.
+    # While the bot speaks, the caller takes the turn only by speaking this long (seconds), or by
+    # saying this many words (pipecat's min-words strategy), so a "mm-hmm" or a cough does not cut
+    # it off. Both 0: any speech the VAD hears interrupts at once.
+    min_interrupt_s: float = Field(0.0, ge=0)
     min_interrupt_words: int = Field(0, ge=0)
 
 

@@ -163,7 +163,7 @@ def _shown_as(value, metric: str, text: str) -> bool:
         return text == "–"
     if metric == "mean_accepted_per_step":
         return abs(float(text) - value) <= 0.005 + 1e-9
-    if metric == "interrupted_share":
+    if metric.endswith("_share"):
         return text.endswith("%") and abs(int(text[:-1]) - 100 * value) <= 0.5
     if metric.endswith("_ms") or "_ms." in metric:
         return text == str(math.floor(value + 0.5))  # JS Math.round: halves go up

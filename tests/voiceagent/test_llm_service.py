@@ -8,6 +8,7 @@ import time
 import pytest
 from pipecat.frames.frames import (
     CancelFrame,
+    EagerEndOfTurnCancelFrame,
     ErrorFrame,
     InterruptionFrame,
     LLMContextFrame,
@@ -15,6 +16,7 @@ from pipecat.frames.frames import (
     LLMFullResponseStartFrame,
     LLMTextFrame,
     MetricsFrame,
+    UserStoppedSpeakingFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.processors.aggregators.llm_context import LLMContext, LLMSpecificMessage
@@ -26,6 +28,7 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
+from voiceagent.pipeline.frames import PreparedResponseStartFrame
 from voiceagent.pipeline.llm_service import SpeculativeLLMService, chat_messages
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
@@ -372,3 +375,49 @@ def test_chat_messages_prepends_the_system_prompt_only_when_there_is_none():
         {"role": "user", "content": "Hi"},
     ]
     assert chat_messages(context) == [{"role": "user", "content": "Hi"}]
+
+
+def _prepared(text: str) -> LLMContextFrame:
+    frame = _context(text)
+    frame.speculation = True
+    return frame
+
+
+async def test_withdrawn_prepared_reply_is_cancelled_and_reported_as_discarded(
+        make_serving, tokenizer):
+    serving = make_serving(hold_first=True)
+    llm = _service(serving, tokenizer)
+    frames = [
+        _prepared("What is the capital"),
+        SleepFrame(sleep=BEFORE_INTERRUPTION_S),
+        EagerEndOfTurnCancelFrame(),
+        SleepFrame(sleep=0.2),
+        _context("What is the capital of Spain?"),
+    ]
+    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
+    withdrawn, answer = serving.handles
+    assert (await withdrawn.result()).finish_reason == "cancelled"
+    starts = [f for f in down if isinstance(f, LLMFullResponseStartFrame)]
+    assert [type(f) for f in starts] == [PreparedResponseStartFrame, LLMFullResponseStartFrame]
+    stats = {s.request_id: s for s in _engine_stats(down)}
+    first, second = (stats[f"{SESSION}-{n}"] for n in (1, 2))
+    assert first.prepared and first.discarded and first.interrupted
+    assert not second.prepared and not second.discarded
+    assert (await answer.result()).finish_reason == "length"
+
+
+async def test_confirmed_prepared_reply_runs_to_its_end(make_serving, tokenizer):
+    serving = make_serving()
+    llm = _service(serving, tokenizer)
+    frames = [
+        _prepared("What is the capital of Spain?"),
+        UserStoppedSpeakingFrame(),  # the turn ends as prepared
+        EagerEndOfTurnCancelFrame(),  # a withdrawal after the commit changes nothing
+    ]
+    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
+    [handle] = serving.handles
+    done = await handle.result()
+    assert done.finish_reason == "length"
+    assert _replies(down) == [done.text]
+    [stats] = _engine_stats(down)
+    assert stats.prepared and not stats.discarded and not stats.interrupted

@@ -42,6 +42,29 @@ def summarise(turns: list[dict]) -> dict:
         "mean_accepted_per_step": float(np.mean(accepted)) if accepted else None,
         "breakdown_p50_ms": {k: percentile(values(lambda t, k=k: t["breakdown"].get(k)), 50)
                              for k in BREAKDOWN},
+        "preparation": preparation(turns),
+    }
+
+
+def preparation(turns: list[dict]) -> dict:
+    """Early preparation: how often a prepared reply answered the turn, how often one was
+    dropped, and the work dropped as a share of the work that answered (tokens, audio)."""
+    preps = [t.get("preparation") or {} for t in turns]  # records older than it have none
+
+    def total(key: str) -> float:
+        return sum(p.get(key) or 0 for p in preps)
+
+    def share(wasted: str, used: str) -> float | None:
+        return total(wasted) / total(used) if total(used) else None
+
+    return {
+        "prepared_turns": sum(bool(p.get("prepared")) for p in preps),
+        "committed": sum(bool(p.get("committed")) for p in preps),
+        "discarded": int(total("discarded")),
+        "lead_ms_p50": percentile([p["lead_ms"] for p in preps
+                                   if p.get("lead_ms") is not None], 50),
+        "wasted_tokens_share": share("discarded_tokens", "answer_tokens"),
+        "wasted_audio_share": share("discarded_audio_ms", "answer_audio_ms"),
     }
 
 

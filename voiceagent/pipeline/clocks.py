@@ -191,6 +191,9 @@ class ClocksObserver(BaseObserver):
                 self._listening = _Turn(started_ns=ts, started_wall=time.time())
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
             self._user_speaking = False
+            reply = self._answering
+            if reply is not None and reply.interrupted_ns is None:
+                reply.barge_in_ns = None  # a backchannel: it did not take the turn
             if self._listening is None:
                 return
             self._listening.vad_stop_ns, self._listening.hangover_s = ts, frame.stop_secs
@@ -221,6 +224,8 @@ class ClocksObserver(BaseObserver):
         turn, self._preparing = self._preparing, None
         if turn is not None:
             turn.preparation.discarded += 1
+            # Its stats are in when it had finished generating before the withdrawal.
+            turn.preparation.discarded_tokens += turn.engine.get("generated_tokens", 0)
             turn.drop_reply()
 
     def _commit(self) -> None:

@@ -138,7 +138,6 @@ class _Request:
     id: str
     handle: RequestHandle
     prepared: bool  # started before the caller's turn was confirmed
-    speculative: bool  # prepared, and the turn is not confirmed yet: it may still be withdrawn
     stream: asyncio.Task | None = None  # pushes the reply's frames; set at submit
     interrupted: bool = False  # the engine request was cut short
     discarded: bool = False  # withdrawn before its turn was confirmed
@@ -190,6 +189,7 @@ class SpeculativeLLMService(LLMService):
         self._method = method
         self._numbers = itertools.count(1)
         self._current: _Request | None = None  # the request whose text is streaming
+        self._prepared: _Request | None = None  # prepared, its turn not confirmed yet
         self._requests: dict[str, _Request] = {}  # every request not yet reported
         self._reporters: set[asyncio.Task] = set()
         self._warmup: asyncio.Task | None = None
@@ -214,13 +214,16 @@ class SpeculativeLLMService(LLMService):
             await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
-            if self._current is not None and self._current.speculative:
-                self._current.discarded = True
-                await self._interrupt(push_end=False)
+            # The prepared reply may have finished generating already; it is withdrawn all the
+            # same (its tokens count as wasted), and stopped if it is still going.
+            request, self._prepared = self._prepared, None
+            if request is not None:
+                request.discarded = True
+                if request is self._current:
+                    await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
         elif isinstance(frame, UserStoppedSpeakingFrame):
-            if self._current is not None:
-                self._current.speculative = False  # committed: no withdrawal applies any more
+            self._prepared = None  # the turn is confirmed: its prepared reply is committed
             await self.push_frame(frame, direction)
         elif isinstance(frame, LLMUpdateSettingsFrame):
             pass  # LLMService applied it, or pushed it on when it names another service
@@ -295,13 +298,14 @@ class SpeculativeLLMService(LLMService):
             return
         # No await from submit to here: an interruption cancels the process task at an await,
         # and must find the request registered, with its tasks.
-        request = _Request(f"{self._session_id}-{next(self._numbers)}", handle, prepared, prepared)
+        request = _Request(f"{self._session_id}-{next(self._numbers)}", handle, prepared)
         request.stream = self.create_task(self._stream(request), f"stream-{request.id}")
         reporter = self.create_task(self._report(request), f"report-{request.id}")
         self._reporters.add(reporter)
         reporter.add_done_callback(self._reporters.discard)
         self._requests[request.id] = request
         self._current = request
+        self._prepared = request if prepared else None
 
     async def _stream(self, request: _Request) -> None:
         """Push the reply's frames as the engine's deltas arrive."""

@@ -15,9 +15,18 @@ from __future__ import annotations
 import asyncio
 
 from loguru import logger
-from pipecat.frames.frames import EagerEndOfTurnCancelFrame, EagerTranscriptionFrame, Frame
+from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
+    EagerEndOfTurnCancelFrame,
+    EagerTranscriptionFrame,
+    Frame,
+    TranscriptionFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
 from pipecat.turns.types import ProcessFrameResult, UserTurnSpeculation
-from pipecat.turns.user_start import MinWordsUserTurnStartStrategy
+from pipecat.turns.user_start import BaseUserTurnStartStrategy, MinWordsUserTurnStartStrategy
 from pipecat.turns.user_stop import (
     BaseUserTurnStopStrategy,
     NormalizedMatch,
@@ -119,13 +128,66 @@ class PreparingSmartTurnStopStrategy(_Preparing, TurnAnalyzerUserTurnStopStrateg
     """Smart Turn v3 ends the turn; a prepared reply is committed or withdrawn."""
 
 
+class SustainedSpeechUserTurnStartStrategy(BaseUserTurnStartStrategy):
+    """The caller takes the turn when the VAD hears speech, except over the bot: then only speech
+    that lasts `min_speech_s` does (LiveKit's min_interruption_duration), so a "mm-hmm" or a
+    cough does not cut the bot off. What such a backchannel transcribes to is dropped."""
+
+    def __init__(self, *, min_speech_s: float, **kwargs):
+        super().__init__(**kwargs)
+        self._min_speech_s = min_speech_s
+        self._bot_speaking = False
+        self._timer: asyncio.Task | None = None
+
+    async def process_frame(self, frame: Frame) -> ProcessFrameResult:
+        if isinstance(frame, BotStartedSpeakingFrame):
+            self._bot_speaking = True
+        elif isinstance(frame, BotStoppedSpeakingFrame):
+            self._bot_speaking = False
+        elif isinstance(frame, VADUserStartedSpeakingFrame):
+            if not self._bot_speaking:
+                await self.trigger_user_turn_started()
+                return ProcessFrameResult.STOP
+            # The VAD confirms speech start_secs after it began.
+            wait = max(0.0, self._min_speech_s - frame.start_secs)
+            await self._stop_timer()
+            self._timer = self.task_manager.create_task(self._sustained(wait),
+                                                        f"{self}::sustained_speech")
+        elif isinstance(frame, VADUserStoppedSpeakingFrame):
+            await self._stop_timer()  # too short to interrupt
+        elif isinstance(frame, TranscriptionFrame) and self._bot_speaking:
+            await self.trigger_reset_aggregation()  # a backchannel is not the caller's turn
+        return ProcessFrameResult.CONTINUE
+
+    async def handle_user_turn_started(self):
+        await self._stop_timer()
+
+    async def cleanup(self):
+        await self._stop_timer()
+        await super().cleanup()
+
+    async def _sustained(self, wait: float) -> None:
+        await asyncio.sleep(wait)
+        self._timer = None
+        await self.trigger_user_turn_started()
+
+    async def _stop_timer(self) -> None:
+        if self._timer is not None:
+            task, self._timer = self._timer, None
+            await self.task_manager.cancel_task(task)
+
+
 def turn_strategies(cfg: TurnConfig) -> UserTurnStrategies:
     """The user aggregator's strategies for this config."""
     start = default_user_turn_start_strategies()
-    if cfg.min_interrupt_words > 1:
-        # While the bot speaks, a backchannel ("mm-hmm") shorter than this does not take the
-        # turn; when it is silent, one word does.
-        start = [MinWordsUserTurnStartStrategy(min_words=cfg.min_interrupt_words)]
+    if cfg.min_interrupt_s > 0 or cfg.min_interrupt_words > 1:
+        # Over the bot, a backchannel ("mm-hmm") shorter than either limit does not take the
+        # turn; when the bot is silent, any speech does.
+        start = []
+        if cfg.min_interrupt_s > 0:
+            start.append(SustainedSpeechUserTurnStartStrategy(min_speech_s=cfg.min_interrupt_s))
+        if cfg.min_interrupt_words > 1:
+            start.append(MinWordsUserTurnStartStrategy(min_words=cfg.min_interrupt_words))
     return UserTurnStrategies(start=start, stop=[_stop_strategy(cfg)])
 
 

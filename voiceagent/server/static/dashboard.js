@@ -41,6 +41,10 @@ const OVERVIEW = [
   ["Inter-token latency", [["itl_ms.p50", "p50", "ms"], ["itl_ms.p95", "p95", "ms"],
     ["itl_ms.p99", "p99", "ms"]]],
   ["Speculation", [["mean_accepted_per_step", "accepted tokens / step", "x2"]]],
+  ["Early preparation", [["preparation.committed", "committed", "count"],
+    ["preparation.discarded", "discarded", "count"],
+    ["preparation.wasted_tokens_share", "wasted tokens", "pct"],
+    ["preparation.wasted_audio_share", "wasted audio", "pct"]]],
 ];
 
 // The A/B table's cells after the method name, as in the page's header.
