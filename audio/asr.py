@@ -57,6 +57,7 @@ class StreamingTranscriber:
             self._samples = 0
             self._interim_mark = 0  # samples fed when the last interim took its snapshot
             self._last: Transcript | None = None
+            self._agreed = ""  # the words the last two interims agree on
 
     def feed(self, samples: np.ndarray) -> None:
         """Append 16 kHz mono int16 audio to the utterance."""
@@ -89,8 +90,16 @@ class StreamingTranscriber:
         result = self._transcribe(audio)
         with self._lock:
             if self._last is None or result.samples >= self._last.samples:
+                if self._last is not None:
+                    self._agreed = _common_words(self._last.text, result.text)
                 self._last = result
         return result
+
+    @property
+    def agreed_text(self) -> str:
+        """The leading words the last two interims agree on: what is unlikely to change (the
+        local agreement policy of Macháček et al.)."""
+        return self._agreed
 
     def final(self, speech_end_offset: int | None = None) -> Transcript:
         """The final transcript (blocking). `speech_end_offset`: samples into the utterance
@@ -129,3 +138,13 @@ class StreamingTranscriber:
             )
             text = " ".join(s.text.strip() for s in segments).strip()  # decodes lazily here
         return Transcript(text, len(audio), model_ms=(time.perf_counter() - t0) * 1000)
+
+
+def _common_words(a: str, b: str) -> str:
+    """The longest common prefix of whole words (a word's trailing punctuation may differ)."""
+    words = []
+    for x, y in zip(a.split(), b.split(), strict=False):
+        if x.rstrip(".,!?;:").lower() != y.rstrip(".,!?;:").lower():
+            break
+        words.append(y.rstrip(".,!?;:") if x != y else y)
+    return " ".join(words)

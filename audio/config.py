@@ -21,7 +21,7 @@ class VADConfig:
     model: str = "silero-vad"
     confidence: float = 0.7
     start_secs: float = 0.2
-    stop_secs: float = 0.3  # the hangover: silence before the turn counts as ended (see README)
+    stop_secs: float = 0.5  # the hangover: silence before the turn counts as ended (see README)
     min_volume: float = 0.6
 
 
@@ -36,7 +36,11 @@ class ASRConfig:
     compute_type: str = "auto"  # CTranslate2 compute type; auto = int8 on CPU, float16 on CUDA
     language: str = "en"
     beam_size: int = 1
-    interim_every_ms: int = 300  # re-transcribe the growing utterance at this cadence
+    cpu_threads: int = 0  # CTranslate2 threads on a CPU; 0: its default (4)
+    # Re-transcribe the growing utterance at this cadence. A Whisper run costs the same for any
+    # length (it pads to 30 s), about 350 ms on two CPU cores: a shorter cadence keeps the CPU busy
+    # while the caller speaks, and the transcript at the caller's pause then waits for it.
+    interim_every_ms: int = 1000
     # Audio kept from before the VAD start: it fires start_secs late, and at the start of a
     # stream, before Silero has context, up to ~0.7 s late (seen on Twilio calls).
     preroll_ms: int = 800
@@ -50,8 +54,9 @@ class TTSConfig:
 
     voice: str = "piper-joe-medium"
     use_cuda: bool = False
+    cpu_threads: int = 0  # onnxruntime threads on a CPU; 0: its default (one per core)
     length_scale: float = 1.0  # >1 speaks slower
     min_clause_chars: int = 6  # a shorter clause ("Hi,") waits to be spoken with the next one
     # The first phrase of a reply may end before a phrase opener ("with", "and") once it has
     # this many words, so speech starts sooner; 0: it ends at the first clause mark.
-    first_phrase_words: int = 4
+    first_phrase_words: int = 2

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load_whisper(model_dir: str | Path, device: str = "auto", compute_type: str = "auto"):
+def load_whisper(model_dir: str | Path, device: str = "auto", compute_type: str = "auto",
+                 cpu_threads: int = 0):
+    """`cpu_threads`: CTranslate2's threads on a CPU; 0 keeps its default (4)."""
     from faster_whisper import WhisperModel
 
     if device == "auto":
@@ -14,13 +16,25 @@ def load_whisper(model_dir: str | Path, device: str = "auto", compute_type: str 
         device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
     if compute_type == "auto":
         compute_type = "float16" if device == "cuda" else "int8"
-    return WhisperModel(str(model_dir), device=device, compute_type=compute_type)
+    return WhisperModel(str(model_dir), device=device, compute_type=compute_type,
+                        cpu_threads=cpu_threads)
 
 
-def load_piper(onnx_path: str | Path, use_cuda: bool = False):
+def load_piper(onnx_path: str | Path, use_cuda: bool = False, cpu_threads: int = 0):
+    """`cpu_threads`: onnxruntime's intra-op threads on a CPU; 0 keeps its default (one per
+    core)."""
     from piper import PiperVoice
 
-    return PiperVoice.load(str(onnx_path), use_cuda=use_cuda)
+    voice = PiperVoice.load(str(onnx_path), use_cuda=use_cuda)
+    if cpu_threads > 0 and not use_cuda:
+        import onnxruntime
+
+        # PiperVoice.load takes no session options: rebuild its session with ours.
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = cpu_threads
+        voice.session = onnxruntime.InferenceSession(
+            str(onnx_path), sess_options=options, providers=["CPUExecutionProvider"])
+    return voice
 
 
 def load_silero(onnx_path: str | Path):

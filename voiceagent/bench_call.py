@@ -2,7 +2,8 @@
 
 Seed 001's bounded comparison: freeze the workload, measure with the feature on and off. A variant
 is a speculation method with optional features, `METHOD[+prepare][+smart_turn]`: early response
-preparation and the Smart Turn stop strategy on (a feature left out of the name is off). Each
+preparation and the Smart Turn stop strategy on (a feature left out of the name is off), and
+optional config overrides after colons (`off:vad.stop_secs=0.3`). Each
 scripted call runs once per variant, variants interleaved call by call, so machine noise falls on
 all. Reported per variant: turn end -> first audio (clock 3) p50/p95, request -> first token
 (clock 1), ITL (clock 2) p50, barge-in -> bot silent, the median breakdown, and preparation:
@@ -23,7 +24,7 @@ from audio.loaders import load_piper
 from audio.synth import silence, synthesize
 from voiceagent.bench_report import save_results, utc_stamp
 from voiceagent.call import RATE, simulate_call
-from voiceagent.config import REPO_ROOT, Config
+from voiceagent.config import REPO_ROOT, Config, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
@@ -35,25 +36,34 @@ FEATURES = ("prepare", "smart_turn")
 
 @dataclass(frozen=True)
 class Variant:
+    """`METHOD[+prepare][+smart_turn][:key=value...]`: a speculation method, the turn features
+    on (the others off), and any config overrides, e.g. `off:vad.stop_secs=0.3` or
+    `ngram+prepare:tts.cpu_threads=1`."""
+
     name: str
     method: str
     prepare: bool
     smart_turn: bool
+    overrides: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, name: str) -> Variant:
-        method, *features = name.split("+")
+        head, *overrides = name.split(":")
+        method, *features = head.split("+")
         unknown = set(features) - set(FEATURES)
         if unknown:
             raise ValueError(f"unknown feature {'+'.join(sorted(unknown))!r} in variant {name!r}; "
                              f"features: {', '.join(FEATURES)}")
-        return cls(name, method, "prepare" in features, "smart_turn" in features)
+        return cls(name, method, "prepare" in features, "smart_turn" in features,
+                   tuple(overrides))
 
     def configure(self, cfg: Config) -> Config:
-        cfg = cfg.model_copy(deep=True)
-        cfg.turn.prepare = self.prepare
-        cfg.turn.stop = "smart_turn" if self.smart_turn else "vad"
-        return cfg
+        data = cfg.model_dump(mode="json")
+        for item in self.overrides:
+            apply_override(data, item)
+        data["turn"].update(prepare=self.prepare,
+                            stop="smart_turn" if self.smart_turn else "vad")
+        return Config.model_validate(data)
 
 
 def caller_audio(voice, turns: list[dict]) -> np.ndarray:
@@ -134,6 +144,8 @@ def run_call_bench(cfg: Config, args) -> int:
     script = yaml.safe_load(script_path.read_text())
     modes = [m.strip() for m in (args.modes or DEFAULT_VARIANTS).split(",") if m.strip()]
     variants = [Variant.parse(m) for m in modes]
+    for v in variants:
+        v.configure(cfg)  # a bad override fails now, not after the models have loaded
     turns = asyncio.run(_run(cfg, script, variants, args.repeats))
     summary = {m: summarise(t) for m, t in turns.items()}
     stamp = utc_stamp()

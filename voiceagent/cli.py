@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: configs/prompts/engine_bench_v1.yaml)")
     p.add_argument("--modes", help="engine modes, comma-separated (engine default: off,ngram and "
                    "draft when engine.draft is set; off always runs); call: variants "
-                   "METHOD[+prepare][+smart_turn] (default: off,ngram,off+prepare,ngram+prepare)")
+                   "METHOD[+prepare][+smart_turn][:key=value...] (default: "
+                   "off,ngram,off+prepare,ngram+prepare)")
     p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
     p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")

@@ -28,7 +28,7 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
-from voiceagent.pipeline.frames import PreparedResponseStartFrame
+from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.llm_service import SpeculativeLLMService, chat_messages
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
@@ -185,6 +185,29 @@ async def test_context_streams_start_text_end_and_the_engine_text(make_serving, 
     assert handle.state.session_id == SESSION
     assert not any(isinstance(f, ErrorFrame) for f in up)
     assert serving.engine.dropped_sessions == [SESSION]  # the call's KV goes with its pipeline
+
+
+async def test_words_so_far_are_prefilled_so_the_reply_prefills_only_the_rest(
+        make_serving, tokenizer):
+    serving = make_serving()
+    context = LLMContext(messages=[{"role": "assistant", "content": "Hello, this is the bot."}])
+    llm = _service(serving, tokenizer, context=context)
+    question = "What is the capital of Spain and why?"
+    reply_context = LLMContext(messages=[*context.get_messages(),
+                                         {"role": "user", "content": question}])
+    frames = [UserWordsSoFarFrame("What is the capital"), SleepFrame(sleep=0.5),
+              LLMContextFrame(context=reply_context)]
+    await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
+    words, reply = serving.handles
+    words_prompt = encode_chat(tokenizer, [*context.get_messages(),
+                                           {"role": "user", "content": "What is the capital"}])
+    assert words.state.prompt_ids == words_prompt and words.state.sampling.max_new_tokens == 1
+    stats = (await reply.result()).stats
+    # Everything up to the words so far came from the session's KV, not a new prefill.
+    shared = next(i for i, (a, b) in enumerate(zip(words_prompt, reply.state.prompt_ids,
+                                                    strict=False)) if a != b)
+    assert stats.reused_prefix_tokens == shared
+    assert stats.prefill_tokens == len(reply.state.prompt_ids) - shared
 
 
 async def test_start_prefills_the_system_prompt_into_the_session(make_serving, tokenizer):

@@ -2,7 +2,7 @@
 synthesised caller speech.
 
 The hangover (vad.stop_secs) is raised here so that a preparation certainly starts inside it on
-any machine: Whisper alone takes about 350 ms on two cores, longer than the default 0.3 s.
+any machine: one Whisper run alone takes about 350 ms on two cores.
 """
 
 import asyncio

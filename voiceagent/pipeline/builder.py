@@ -64,10 +64,10 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     llm = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
     asr = resolve(cfg.asr.model, "asr")
     progress(f"loading ASR {cfg.asr.model} ...")
-    shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type)
+    shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type, cfg.asr.cpu_threads)
     tts = resolve(cfg.tts.voice, "tts")
     progress(f"loading TTS voice {cfg.tts.voice} ...")
-    shared_piper_voice(str(tts.location), cfg.tts.use_cuda)
+    shared_piper_voice(str(tts.location), cfg.tts.use_cuda, cfg.tts.cpu_threads)
     make_vad(cfg.vad)  # loads the shared Silero session
     return SharedModels(llm=llm, engine=llm.serve())
 
@@ -109,6 +109,7 @@ def build_call(
         session_id=call_id,
         system_prompt=cfg.agent.system_prompt,
         method=method,
+        context=context if cfg.turn.prepare else None,
     )
     pipeline = Pipeline([
         transport.input(),

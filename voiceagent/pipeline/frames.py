@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecat.frames.frames import LLMFullResponseStartFrame, SystemFrame
+from pipecat.frames.frames import DataFrame, LLMFullResponseStartFrame, SystemFrame
 
 
 @dataclass
@@ -21,6 +21,14 @@ class UserSpeechPausedFrame(SystemFrame):
 @dataclass
 class UserSpeechResumedFrame(SystemFrame):
     """Speech again after a UserSpeechPausedFrame, before the VAD reported a stop."""
+
+
+@dataclass
+class UserWordsSoFarFrame(DataFrame):
+    """The words of the caller's utterance that two interim transcripts agree on, so far: the
+    LLM service prefills them while the caller speaks (incremental prefill)."""
+
+    text: str
 
 
 @dataclass

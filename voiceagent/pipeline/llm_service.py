@@ -55,6 +55,8 @@ Frames:
                                         but it starts with a PreparedResponseStartFrame, which
                                         the held-reply gate after the TTS holds until commit
          UserStoppedSpeakingFrame       the turn is confirmed: the prepared reply is committed; fwd
+         UserWordsSoFarFrame            the caller's words so far: prefilled into the call's KV
+                                        with the conversation when nothing else runs; consumed
          EagerEndOfTurnCancelFrame      cancel a prepared reply (it is discarded); forwarded
          EndFrame                       let the reply in flight finish, then forwarded
          CancelFrame                    cancel everything; forwarded
@@ -104,11 +106,11 @@ from pipecat.utils.errors import ErrorCategory
 from llm_engine.config import SamplingConfig
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine, Completion, RequestHandle
-from voiceagent.pipeline.frames import PreparedResponseStartFrame
+from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_WARMUP_WAIT_S = 5.0  # a first turn waits at most this long for the system-prompt prefill
+_PREFILL_WAIT_S = 5.0  # a reply waits at most this long for the prefill of its prefix
 _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
 
 
@@ -161,9 +163,11 @@ class SpeculativeLLMService(LLMService):
         system_prompt: str | None = None,
         sampling: SamplingConfig | None = None,
         method: str | None = None,
+        context: LLMContext | None = None,
         **kwargs,
     ):
-        """`sampling` and `method` override the engine config's; None keeps them."""
+        """`sampling` and `method` override the engine config's; None keeps them. `context`: the
+        call's conversation, for prefilling the caller's words while they speak (None: off)."""
         # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
         # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
@@ -192,7 +196,11 @@ class SpeculativeLLMService(LLMService):
         self._prepared: _Request | None = None  # prepared, its turn not confirmed yet
         self._requests: dict[str, _Request] = {}  # every request not yet reported
         self._reporters: set[asyncio.Task] = set()
-        self._warmup: asyncio.Task | None = None
+        self._context = context
+        # The latest prefill-only request (the system prompt, or the caller's words so far): the
+        # next reply's prefix.
+        self._prefill: asyncio.Task | None = None
+        self._prefill_handle: RequestHandle | None = None
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -225,6 +233,8 @@ class SpeculativeLLMService(LLMService):
         elif isinstance(frame, UserStoppedSpeakingFrame):
             self._prepared = None  # the turn is confirmed: its prepared reply is committed
             await self.push_frame(frame, direction)
+        elif isinstance(frame, UserWordsSoFarFrame):
+            self._prefill_words(frame.text)
         elif isinstance(frame, LLMUpdateSettingsFrame):
             pass  # LLMService applied it, or pushed it on when it names another service
         else:
@@ -238,16 +248,34 @@ class SpeculativeLLMService(LLMService):
         """Prefill the system prompt into this call's session cache before the caller's first
         turn, so turn 1 only prefills the caller's words (the engine reuses the shared prefix)."""
         system = self._settings.system_instruction
-        if not isinstance(system, str) or not system:
+        if isinstance(system, str) and system:
+            self._submit_prefill([{"role": "system", "content": system}])
+
+    def _prefill_words(self, text: str) -> None:
+        """Prefill the conversation and the caller's words so far while they speak, so the reply
+        (prepared at the pause, or not) prefills only the words after them. Only when the engine
+        has nothing else of this call: a reply in flight owns the call's KV."""
+        if self._context is None or self._requests:
             return
-        prompt = encode_chat(self._tokenizer, [{"role": "system", "content": system}])
+        if self._prefill is not None and not self._prefill.done():
+            return
+        self._submit_prefill([*self._messages(self._context), {"role": "user", "content": text}])
+
+    def _submit_prefill(self, messages: list[dict[str, str]]) -> None:
+        """A one-token request that leaves `messages` in this call's KV cache."""
         one = SamplingConfig(max_new_tokens=1)
         try:
+            prompt = encode_chat(self._tokenizer, messages)
             handle = self._engine.submit(prompt, one, self._session_id, self._method)
-        except ValueError as exc:  # a system prompt over max_context: the real turn reports it
-            logger.warning(f"{self}: system prompt warm-up refused: {exc}")
+        except ValueError as exc:  # over max_context: the real turn reports it
+            logger.warning(f"{self}: prefill refused: {exc}")
             return
-        self._warmup = self.create_task(handle.result(), f"warmup-{self._session_id}")
+        self._prefill_handle = handle
+        self._prefill = self.create_task(handle.result(), f"prefill-{self._session_id}")
+
+    def _messages(self, context: LLMContext) -> list[dict[str, str]]:
+        system = self._settings.system_instruction
+        return chat_messages(context, system if isinstance(system, str) else None)
 
     async def stop(self, frame: EndFrame):
         # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending
@@ -265,8 +293,9 @@ class SpeculativeLLMService(LLMService):
 
     async def cleanup(self):
         handles = [request.handle for request in self._requests.values()]
-        if self._warmup is not None and not self._warmup.done():
-            await self.cancel_task(self._warmup)
+        if self._prefill is not None and not self._prefill.done():
+            handles.append(self._prefill_handle)
+            await self.cancel_task(self._prefill)
         await self._abort()
         # The engine frees a cancelled request's KV at its next step boundary, and a request's
         # release stores the session cache; drop the session once they are all over.
@@ -280,13 +309,11 @@ class SpeculativeLLMService(LLMService):
 
     async def _begin(self, context: LLMContext, prepared: bool) -> None:
         self._log_llm_response(context)
-        if self._warmup is not None and not self._warmup.done():
+        if self._prefill is not None and not self._prefill.done():
             # Its prefill is this request's prefix: waiting for it costs nothing extra.
-            await asyncio.wait({self._warmup}, timeout=_WARMUP_WAIT_S)
-        system = self._settings.system_instruction
-        messages = chat_messages(context, system if isinstance(system, str) else None)
+            await asyncio.wait({self._prefill}, timeout=_PREFILL_WAIT_S)
         try:
-            prompt_ids = encode_chat(self._tokenizer, messages)
+            prompt_ids = encode_chat(self._tokenizer, self._messages(context))
             handle = self._engine.submit(prompt_ids, self._sampling, self._session_id, self._method)
         except Exception as exc:  # a refused prompt must not take the call down
             # ValueError is the prompt itself (too long for max_context, empty): the context is

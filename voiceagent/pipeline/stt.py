@@ -46,7 +46,11 @@ from audio.asr import SAMPLE_RATE, StreamingTranscriber, Transcript
 from audio.config import ASRConfig
 from audio.loaders import load_whisper
 from voiceagent.models import resolve
-from voiceagent.pipeline.frames import UserSpeechPausedFrame, UserSpeechResumedFrame
+from voiceagent.pipeline.frames import (
+    UserSpeechPausedFrame,
+    UserSpeechResumedFrame,
+    UserWordsSoFarFrame,
+)
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
 
 
@@ -58,7 +62,8 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
     - InterimTranscriptionFrame each `interim_every_ms` of new audio while the caller speaks; an
       interim that comes due while the previous one still runs is skipped, not queued;
     - with `prepare`: EagerTranscriptionFrame after a pause, EagerEndOfTurnCancelFrame when the
-      caller speaks again before the VAD stop;
+      caller speaks again before the VAD stop; after an interim, UserWordsSoFarFrame when the
+      words two interims agree on have grown (the LLM prefills them);
     - after each VAD stop, TranscriptionFrame(finalized=True) and a MetricsFrame carrying
       ASRFinalMetricsData. The final waits for a running interim or pause transcript and no more.
     """
@@ -81,6 +86,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         self._pause_task: asyncio.Task | None = None  # transcribes the utterance at a pause
         self._paused = False  # between a pause and the speech that resumes it (or the stop)
         self._pauses = 0  # counts pauses and resumes: a pause transcript belongs to one pause
+        self._words_so_far = ""  # the last UserWordsSoFarFrame of this utterance
         self._resampler = create_stream_resampler()
 
     def can_generate_metrics(self) -> bool:
@@ -139,6 +145,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         if self._utterance is None:
             self._utterance = StreamingTranscriber(self._model, self._cfg)
             self._utterance.feed(self._preroll)  # the VAD confirms speech start_secs late
+            self._words_so_far = ""
             self._preroll = np.zeros(0, np.int16)
 
     async def _handle_vad_user_stopped_speaking(self, frame: VADUserStoppedSpeakingFrame):
@@ -179,6 +186,10 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
                 InterimTranscriptionFrame(result.text, self._user_id, time_now_iso8601(),
                                           self._language())
             )
+            agreed = utterance.agreed_text
+            if self.eager_end_of_turn_enabled and len(agreed) > len(self._words_so_far):
+                self._words_so_far = agreed
+                await self.push_frame(UserWordsSoFarFrame(agreed))
 
     async def _finalize(
         self,
@@ -245,10 +256,11 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
 
 
 @lru_cache(maxsize=4)
-def shared_whisper(location: str, device: str, compute_type: str):
+def shared_whisper(location: str, device: str, compute_type: str, cpu_threads: int = 0):
     """One WhisperModel per process and setting, shared by all calls (CTranslate2 models are
     safe to call from several threads)."""
-    return load_whisper(location, device=device, compute_type=compute_type)
+    return load_whisper(location, device=device, compute_type=compute_type,
+                        cpu_threads=cpu_threads)
 
 
 def make_stt(cfg: ASRConfig, prepare: bool = False) -> StreamingWhisperSTTService:
@@ -256,5 +268,6 @@ def make_stt(cfg: ASRConfig, prepare: bool = False) -> StreamingWhisperSTTServic
     eager end of turn at each pause."""
     location = resolve(cfg.model, "asr").location
     return StreamingWhisperSTTService(
-        model=shared_whisper(location, cfg.device, cfg.compute_type), cfg=cfg, prepare=prepare
+        model=shared_whisper(location, cfg.device, cfg.compute_type, cfg.cpu_threads), cfg=cfg,
+        prepare=prepare,
     )

@@ -146,17 +146,17 @@ class ClausePiperTTSService(TTSService):
 
 
 @lru_cache(maxsize=4)
-def shared_piper_voice(location: str, use_cuda: bool):
+def shared_piper_voice(location: str, use_cuda: bool, cpu_threads: int = 0):
     """One PiperVoice per process and voice file (its ONNX session is safe to call from several
     threads)."""
-    return load_piper(location, use_cuda=use_cuda)
+    return load_piper(location, use_cuda=use_cuda, cpu_threads=cpu_threads)
 
 
 def make_tts(cfg: TTSConfig) -> ClausePiperTTSService:
     """The pipeline's TTS service; its output rate follows the transport's."""
     location = resolve(cfg.voice, "tts").location
     return ClausePiperTTSService(
-        voice=shared_piper_voice(str(location), cfg.use_cuda),
+        voice=shared_piper_voice(str(location), cfg.use_cuda, cfg.cpu_threads),
         voice_name=Path(location).name.removesuffix(".onnx"),
         cfg=cfg,
     )

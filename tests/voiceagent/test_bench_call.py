@@ -1,0 +1,30 @@
+"""`bench call` variants: what each name turns on, and clear errors for bad ones."""
+
+import pytest
+
+from voiceagent.bench_call import Variant
+from voiceagent.config import ConfigError, load_config
+
+
+def test_variant_turns_on_its_features_and_only_those():
+    cfg = load_config(None, ["turn.prepare=true", "turn.stop=smart_turn"])
+    plain = Variant.parse("ngram").configure(cfg)
+    assert not plain.turn.prepare and plain.turn.stop == "vad"
+    both = Variant.parse("off+prepare+smart_turn").configure(cfg)
+    assert both.turn.prepare and both.turn.stop == "smart_turn"
+    assert Variant.parse("off+prepare+smart_turn").method == "off"
+
+
+def test_variant_overrides_apply_to_its_copy_of_the_config():
+    cfg = load_config()
+    variant = Variant.parse("off+prepare:vad.stop_secs=0.3:tts.cpu_threads=1")
+    changed = variant.configure(cfg)
+    assert (changed.vad.stop_secs, changed.tts.cpu_threads) == (0.3, 1)
+    assert cfg.vad.stop_secs == 0.5 and cfg.tts.cpu_threads == 0  # the base is untouched
+
+
+def test_unknown_feature_or_key_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match="features: prepare, smart_turn"):
+        Variant.parse("ngram+turbo")
+    with pytest.raises(ConfigError, match="valid keys"):
+        Variant.parse("off:vad.nope=1").configure(load_config())
