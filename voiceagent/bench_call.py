@@ -29,7 +29,7 @@ from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
 
-DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v1.yaml"
+DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v2.yaml"
 DEFAULT_VARIANTS = "off,ngram,off+prepare,ngram+prepare"
 FEATURES = ("prepare", "smart_turn")
 
@@ -97,12 +97,13 @@ def render(summary: dict[str, dict]) -> str:
             f"{_f(bi['max'])} | {'–' if acc is None else f'{acc:.2f}'} |"
         )
     lines += ["", "Early preparation:", "",
-              "| mode | prepared turns | committed | discarded | lead p50 ms | wasted tokens | "
-              "wasted audio |", "|---|--:|--:|--:|--:|--:|--:|"]
+              "| mode | prepared turns | committed | false commits | discarded | lead p50 ms | "
+              "wasted tokens | wasted audio |", "|---|--:|--:|--:|--:|--:|--:|--:|"]
     for mode, s in summary.items():
         p = s["preparation"]
         lines.append(
-            f"| {mode} | {p['prepared_turns']} | {p['committed']} | {p['discarded']} | "
+            f"| {mode} | {p['prepared_turns']} | {p['committed']} | {p['false_commits']} | "
+            f"{p['discarded']} | "
             f"{_f(p['lead_ms_p50'])} | {_share(p['wasted_tokens_share'])} | "
             f"{_share(p['wasted_audio_share'])} |")
     lines += ["", "Median breakdown (ms):", "",

@@ -21,8 +21,8 @@ from audio.wav import read_wav, write_wav
 from voiceagent.config import Config, config_hash, store_path
 from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore
 from voiceagent.pipeline.builder import SharedModels, build_call, load_shared
-from voiceagent.pipeline.clocks import TurnRecord
 from voiceagent.pipeline.records import JsonlTurnSink, TurnRecords
+from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.wav_transport import WavCallTransport
 
 RATE = 16000  # the simulated line's rate, in and out
@@ -116,10 +116,16 @@ def print_turns(result: CallResult) -> None:
         print(f"  caller: {t.user_text}")
         print(f"  bot:    {t.bot_text or t.llm_text}")
         print(
-            f"  request->first token {_fmt(c['request_to_first_token_ms'])}, "
-            f"ITL p50 {_fmt(c['itl_ms']['p50'])} p95 {_fmt(c['itl_ms']['p95'])}, "
-            f"turn end->first audio {_fmt(c['turn_end_to_first_audio_ms'])}"
+            f"  request->first token {_fmt(c.request_to_first_token_ms)}, "
+            f"ITL p50 {_fmt(c.itl_ms.p50)} p95 {_fmt(c.itl_ms.p95)}, "
+            f"turn end->first audio {_fmt(c.turn_end_to_first_audio_ms)}"
         )
+        prep = t.preparation
+        if prep.prepared:
+            lead = f", started {_fmt(prep.lead_ms)} before the VAD stop" if prep.committed else ""
+            print(f"  prepared early: {'committed' if prep.committed else 'not committed'}"
+                  f"{lead}; {prep.discarded} discarded ({prep.discarded_tokens} tokens, "
+                  f"{_fmt(prep.discarded_audio_ms)} of audio)")
         if t.barge_in_to_silence_ms is not None:
             print(f"  barge-in -> bot silent {_fmt(t.barge_in_to_silence_ms)}")
     print(f"turn records: {result.jsonl}")

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
     p.add_argument("--out", default="results", help="results folder (default: results)")
     p.add_argument("--script", help="bench call: scripted calls YAML "
-                   "(default: configs/prompts/call_bench_v1.yaml)")
+                   "(default: configs/prompts/call_bench_v2.yaml)")
     p.add_argument("--turns", type=int, default=5, help="bench serve: turns of the timed call")
     p.add_argument("--calls", help="bench serve: simultaneous calls to try (default: 1,2,3)")
     p.add_argument("--soak", type=int, default=20,

@@ -15,7 +15,7 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
@@ -29,6 +29,7 @@ from voiceagent.dashboard.stats import (
     overview,
     speculation,
 )
+from voiceagent.pipeline.turn_record import Breakdown, TurnRecord
 
 METHOD_COLOURS = {"off": "#7f7f7f", "ngram": "#1f77b4", "draft": "#ff7f0e", "eagle": "#2ca02c"}
 OTHER_COLOURS = ("#9467bd", "#8c564b", "#e377c2")
@@ -172,15 +173,16 @@ def _time_axis(ax) -> None:
 
 def plot_clocks(fig, window: Window) -> bool:
     panels = (
-        ("turn end → first audio", lambda t: t["clocks"]["turn_end_to_first_audio_ms"]),
-        ("request → first token", lambda t: t["clocks"]["request_to_first_token_ms"]),
-        ("ITL p50 of the turn", lambda t: (t["clocks"].get("itl_ms") or {}).get("p50")),
+        ("turn end → first audio", lambda c: c.turn_end_to_first_audio_ms),
+        ("request → first token", lambda c: c.request_to_first_token_ms),
+        ("ITL p50 of the turn", lambda c: c.itl_ms.p50),
     )
     axes = fig.subplots(len(panels), 1, sharex=True)
     for ax, (title, get) in zip(axes, panels, strict=True):
         for method, turns in by_method(window.turns).items():
-            points = [(datetime.fromtimestamp(t["started_at"]), v)
-                      for t in turns if (v := get(t)) is not None]
+            records = [TurnRecord.from_dict(t) for t in turns]
+            points = [(datetime.fromtimestamp(r.started_at), v)
+                      for r in records if (v := get(r.clocks)) is not None]
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.scatter(xs, ys, s=16, color=colour(method), label=method, alpha=0.8)
@@ -266,8 +268,8 @@ WATERFALL = (
 )
 
 
-def waterfall_segments(breakdown: dict) -> dict[str, float]:
-    parts = dict(breakdown)
+def waterfall_segments(breakdown: Breakdown) -> dict[str, float]:
+    parts = asdict(breakdown)
     first, prefill = parts.get("first_token_ms"), parts.get("prefill_ms")
     parts["first_token_after_prefill_ms"] = (
         max(first - prefill, 0.0) if first is not None and prefill is not None else first)
@@ -280,15 +282,16 @@ def plot_waterfall(fig, window: Window) -> bool:
         return False
     fig.set_size_inches(10, 1.6 + 0.45 * len(turns))
     ax = fig.subplots()
-    labels = [f"turn {t['turn']}" + (" (interrupted)" if t["interrupted"] else "") for t in turns]
+    records = [TurnRecord.from_dict(t) for t in turns]
+    labels = [f"turn {r.turn}" + (" (interrupted)" if r.interrupted else "") for r in records]
     left = [0.0] * len(turns)
-    segments = [waterfall_segments(t["breakdown"]) for t in turns]
+    segments = [waterfall_segments(r.breakdown) for r in records]
     for key, label, col in WATERFALL:
         widths = [s[key] for s in segments]
         ax.barh(range(len(turns)), widths, left=left, color=col, label=label, height=0.6)
         left = [a + b for a, b in zip(left, widths, strict=True)]
-    measured = [(i, v) for i, t in enumerate(turns)
-                if (v := t["clocks"]["turn_end_to_first_audio_ms"]) is not None]
+    measured = [(i, v) for i, r in enumerate(records)
+                if (v := r.clocks.turn_end_to_first_audio_ms) is not None]
     if measured:
         ys, xs = zip(*measured, strict=True)
         ax.scatter(xs, ys, marker="|", s=400, color="black", zorder=3,

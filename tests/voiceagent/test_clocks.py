@@ -3,6 +3,7 @@
 from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     BotStoppedSpeakingFrame,
+    EagerEndOfTurnCancelFrame,
     InterruptionFrame,
     LLMContextFrame,
     LLMTextFrame,
@@ -11,6 +12,7 @@ from pipecat.frames.frames import (
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSTextFrame,
+    UserStoppedSpeakingFrame,
     VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
@@ -22,8 +24,13 @@ from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import TransportParams
 
-from voiceagent.pipeline.clocks import ClocksObserver, percentiles
-from voiceagent.pipeline.metrics import ASRFinalMetricsData, EngineStatsMetricsData
+from voiceagent.pipeline.clocks import ClocksObserver
+from voiceagent.pipeline.metrics import (
+    ASRFinalMetricsData,
+    EngineStatsMetricsData,
+    HeldAudioMetricsData,
+)
+from voiceagent.pipeline.turn_record import Percentiles
 
 MS = 1_000_000  # ns
 
@@ -73,12 +80,12 @@ async def test_answered_turn_has_the_three_clocks_and_breakdown():
     await push(obs, BotStoppedSpeakingFrame(), 2500, src=OUT)
     [r] = records
     assert r.user_text == "what time is it" and r.bot_text == "It" and not r.interrupted
-    assert r.clocks["request_to_first_token_ms"] == 100
-    assert r.clocks["turn_end_to_first_audio_ms"] == 910  # from speech end, not VAD stop
-    assert r.clocks["itl_ms"]["p50"] == 50.0
+    assert r.clocks.request_to_first_token_ms == 100
+    assert r.clocks.turn_end_to_first_audio_ms == 910  # from speech end, not VAD stop
+    assert r.clocks.itl_ms.p50 == 50.0
     b = r.breakdown
-    assert (b["vad_hangover_ms"], b["asr_final_ms"], b["prefill_ms"]) == (500, 5.0, 80.0)
-    assert (b["first_clause_ms"], b["tts_first_chunk_ms"]) == (90, 200)
+    assert (b.vad_hangover_ms, b.asr_final_ms, b.prefill_ms) == (500, 5.0, 80.0)
+    assert (b.first_clause_ms, b.tts_first_chunk_ms) == (90, 200)
 
 
 async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
@@ -117,5 +124,51 @@ async def test_speech_without_a_request_is_not_a_turn():
 
 
 def test_percentiles_of_nothing_are_none():
-    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
-    assert percentiles([1.0, 3.0])["p50"] == 2.0
+    assert Percentiles.of([]) == Percentiles(None, None, None)
+    assert Percentiles.of([1.0, 3.0]).p50 == 2.0
+
+
+def _prepared_context(text: str) -> LLMContextFrame:
+    return LLMContextFrame(LLMContext(messages=[{"role": "user", "content": text}]),
+                           speculation=True)
+
+
+def _prepared_metrics(tokens: int, discarded: bool) -> MetricsFrame:
+    data = EngineStatsMetricsData(
+        processor="llm", request_id="p", interrupted=discarded,
+        finish_reason="cancelled" if discarded else "eos",
+        stats={"itl_ms": [50.0], "generated_tokens": tokens, "method": "ngram"},
+        prepared=True, discarded=discarded,
+    )
+    return MetricsFrame(data=[data])
+
+
+async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste():
+    turns = []
+    obs = ClocksObserver("c1", turns.append)
+    await push(obs, VADUserStartedSpeakingFrame(), 0)
+    # The caller pauses: a reply is prepared, then withdrawn when they go on.
+    await push(obs, _prepared_context("what is the"), 900, dst=LLM)
+    await push(obs, LLMTextFrame("The"), 1000, src=LLM)
+    await push(obs, EagerEndOfTurnCancelFrame(), 1100)
+    await push(obs, _prepared_metrics(3, discarded=True), 1110)
+    await push(obs, MetricsFrame(data=[HeldAudioMetricsData(processor="gate",
+                                                            discarded_audio_ms=250.0)]), 1111)
+    # The sentence ends: a second preparation, confirmed by the turn end.
+    await push(obs, _prepared_context("what is the time"), 2000, dst=LLM)
+    await push(obs, LLMTextFrame("It is"), 2100, src=LLM)
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 2300)
+    await push(obs, TranscriptionFrame("What is the time?", "user", "now"), 2301)
+    await push(obs, UserStoppedSpeakingFrame(), 2302)
+    await push(obs, BotStartedSpeakingFrame(), 2310, src=OUT)
+    await push(obs, _prepared_metrics(5, discarded=False), 2400)
+    await push(obs, BotStoppedSpeakingFrame(), 3000, src=OUT)
+    [turn] = turns
+    prep = turn.preparation
+    assert (prep.prepared, prep.committed, prep.discarded) == (2, True, 1)
+    assert prep.lead_ms == 300  # the committed one started 300 ms before the VAD stop
+    assert prep.prepared_text == "what is the time"
+    assert (prep.discarded_tokens, prep.discarded_audio_ms, prep.answer_tokens) == (3, 250.0, 5)
+    assert turn.llm_text == "It is"  # nothing of the withdrawn reply
+    assert turn.clocks.request_to_first_token_ms == 100  # from the committed preparation
+    assert turn.clocks.turn_end_to_first_audio_ms == 2310 - 1800

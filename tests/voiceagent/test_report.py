@@ -3,6 +3,7 @@
 
 import re
 import time
+from dataclasses import asdict
 from datetime import datetime
 
 import pytest
@@ -11,7 +12,7 @@ from llm_engine.stats import RequestStats, StepStats
 from voiceagent.cli import main
 from voiceagent.dashboard.stats import overview
 from voiceagent.dashboard.store import SQLiteTurnStore
-from voiceagent.pipeline.clocks import TurnRecord, percentiles
+from voiceagent.pipeline.turn_record import Percentiles, TurnRecord
 from voiceagent.report import parse_since
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -39,7 +40,7 @@ def turn(call_id: str, n: int, age_s: float, method: str, clock3: float, clock1:
         "call_id": call_id, "turn": n, "started_at": NOW - age_s,
         "user_text": "hello", "bot_text": "hi there", "llm_text": "hi there, friend",
         "interrupted": interrupted,
-        "clocks": {"request_to_first_token_ms": clock1, "itl_ms": percentiles(itl),
+        "clocks": {"request_to_first_token_ms": clock1, "itl_ms": asdict(Percentiles.of(itl)),
                    "turn_end_to_first_audio_ms": clock3},
         "breakdown": {"user_speech_ms": 900.0, "vad_hangover_ms": 200.0, "asr_final_ms": 80.0,
                       "transcript_to_request_ms": 2.0, "prefill_ms": 40.0,

@@ -13,6 +13,7 @@ import pytest
 from tests.voiceagent.turns import make_turn
 from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore
 from voiceagent.pipeline.records import TurnRecords
+from voiceagent.pipeline.turn_record import TurnRecord
 
 
 def test_a_turn_round_trips_with_every_field(tmp_path):
@@ -114,3 +115,14 @@ def test_the_server_keeps_only_its_recent_calls_in_memory():
     for n in range(5):
         records.add(make_turn(f"call{n}"))
     assert list(records.by_call) == ["call2", "call3", "call4"]
+
+
+def test_stored_record_reads_back_as_the_same_typed_record(tmp_path):
+    record = make_turn(clock3_ms=812.5)
+    assert TurnRecord.from_dict(record.to_dict()) == record
+    # A record stored before a field existed reads back with that field's default.
+    old = record.to_dict()
+    del old["preparation"], old["breakdown"]["chunk_to_audio_ms"]
+    back = TurnRecord.from_dict(old)
+    assert back.preparation.prepared == 0 and back.breakdown.chunk_to_audio_ms is None
+    assert back.clocks.turn_end_to_first_audio_ms == 812.5

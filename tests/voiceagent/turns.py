@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from voiceagent.pipeline.clocks import TurnRecord
+from voiceagent.pipeline.turn_record import Breakdown, Clocks, Percentiles, TurnRecord
 
 
 def make_turn(call_id: str = "c1", turn: int = 1, started_at: float = 1_000.0,
@@ -17,13 +17,12 @@ def make_turn(call_id: str = "c1", turn: int = 1, started_at: float = 1_000.0,
     return TurnRecord(
         call_id=call_id, turn=turn, started_at=started_at, user_text=user_text,
         bot_text="Paris.", llm_text="Paris.", interrupted=interrupted,
-        clocks={"request_to_first_token_ms": 100.0 + turn,
-                "itl_ms": {"p50": 40.0, "p95": 60.0, "p99": 70.0},
-                "turn_end_to_first_audio_ms": clock3_ms},
-        breakdown={"user_speech_ms": 1500.0, "vad_hangover_ms": 300.0, "asr_final_ms": 150.0,
-                   "transcript_to_request_ms": 1.0, "prefill_ms": 90.0, "first_token_ms": 100.0,
-                   "first_clause_ms": 250.0, "tts_first_chunk_ms": 120.0,
-                   "chunk_to_audio_ms": 2.0},
+        clocks=Clocks(request_to_first_token_ms=100.0 + turn,
+                      itl_ms=Percentiles(40.0, 60.0, 70.0), turn_end_to_first_audio_ms=clock3_ms),
+        breakdown=Breakdown(user_speech_ms=1500.0, vad_hangover_ms=300.0, asr_final_ms=150.0,
+                            transcript_to_request_ms=1.0, prefill_ms=90.0, first_token_ms=100.0,
+                            first_clause_ms=250.0, tts_first_chunk_ms=120.0,
+                            chunk_to_audio_ms=2.0),
         engine={"method": method, "itl_ms": [40.0, 42.0, 38.0], "steps": steps,
                 "k_history": [4, 4] if steps else [], "accept_len_hist": [0, 0, 1, 0, 1]
                 if steps else [], "drafted_by_pos": [2, 2, 2, 2] if steps else [],

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from voiceagent.dashboard.store import shareable
-from voiceagent.pipeline.clocks import TurnRecord
+from voiceagent.pipeline.turn_record import TurnRecord
 
 QUEUE_SIZE = 256
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from voiceagent.pipeline.clocks import TurnRecord
+from voiceagent.pipeline.turn_record import TurnRecord
 
 # Latency buckets in seconds: voice turns live between 0.1 s and a few seconds.
 CLOCK_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -56,8 +56,8 @@ class TurnMetrics:
         if record.interrupted:
             self.interruptions.labels(method).inc()
         for histogram, ms in (
-            (self.turn_end_to_first_audio, record.clocks.get("turn_end_to_first_audio_ms")),
-            (self.request_to_first_token, record.clocks.get("request_to_first_token_ms")),
+            (self.turn_end_to_first_audio, record.clocks.turn_end_to_first_audio_ms),
+            (self.request_to_first_token, record.clocks.request_to_first_token_ms),
         ):
             if ms is not None:
                 histogram.labels(method).observe(ms / 1000)

@@ -1,15 +1,19 @@
 """The figures of a set of turns: one definition shared by `bench call`, the dashboard's APIs and
 `voiceagent report`, so the three agree by construction.
 
-A turn is a TurnRecord as a dict (TurnRecord.to_dict()). ITL percentiles pool every inter-token
-gap of the turns; the other clocks are one value per turn.
+A turn comes in as a TurnRecord's dict (the store's JSON) and is read back through the typed
+TurnRecord. ITL percentiles pool every inter-token gap of the turns; the other clocks are one value
+per turn.
 """
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from voiceagent.bench_report import percentile
+from voiceagent.pipeline.turn_record import TurnRecord
 
 BREAKDOWN = ("vad_hangover_ms", "asr_final_ms", "prefill_ms", "first_token_ms",
              "first_clause_ms", "tts_first_chunk_ms")
@@ -21,50 +25,59 @@ def _pcts(xs: list[float], qs=(50, 95, 99)) -> dict:
 
 def summarise(turns: list[dict]) -> dict:
     """Pool turn records into the figures of one group (a mode, a method, a window)."""
-    def values(get) -> list[float]:
-        return [v for t in turns if (v := get(t)) is not None]
+    records = [TurnRecord.from_dict(t) for t in turns]
 
-    clock3 = values(lambda t: t["clocks"]["turn_end_to_first_audio_ms"])
-    clock1 = values(lambda t: t["clocks"]["request_to_first_token_ms"])
-    itl = [x for t in turns for x in (t["engine"].get("itl_ms") or [])]
-    barge = values(lambda t: t["barge_in_to_silence_ms"])
-    accepted = values(lambda t: t["engine"].get("mean_accepted_per_step"))
+    def values(get) -> list[float]:
+        return [v for r in records if (v := get(r)) is not None]
+
+    clock3 = values(lambda r: r.clocks.turn_end_to_first_audio_ms)
+    clock1 = values(lambda r: r.clocks.request_to_first_token_ms)
+    itl = [x for r in records for x in (r.engine.get("itl_ms") or [])]
+    barge = values(lambda r: r.barge_in_to_silence_ms)
+    accepted = values(lambda r: r.engine.get("mean_accepted_per_step"))
+    interrupted = sum(r.interrupted for r in records)
     return {
-        "turns": len(turns),
-        "calls": len({t["call_id"] for t in turns}),
-        "interrupted": sum(bool(t["interrupted"]) for t in turns),
-        "interrupted_share": (sum(bool(t["interrupted"]) for t in turns) / len(turns)
-                              if turns else None),
+        "turns": len(records),
+        "calls": len({r.call_id for r in records}),
+        "interrupted": interrupted,
+        "interrupted_share": interrupted / len(records) if records else None,
         "turn_end_to_first_audio_ms": _pcts(clock3),
         "request_to_first_token_ms": _pcts(clock1, (50, 95)),
         "itl_ms": _pcts(itl),
         "barge_in_to_silence_ms": {"p50": percentile(barge, 50), "max": max(barge, default=None)},
         "mean_accepted_per_step": float(np.mean(accepted)) if accepted else None,
-        "breakdown_p50_ms": {k: percentile(values(lambda t, k=k: t["breakdown"].get(k)), 50)
+        "breakdown_p50_ms": {k: percentile(values(lambda r, k=k: getattr(r.breakdown, k)), 50)
                              for k in BREAKDOWN},
-        "preparation": preparation(turns),
+        "preparation": preparation(records),
     }
 
 
-def preparation(turns: list[dict]) -> dict:
+def _same_words(a: str, b: str) -> bool:
+    words = [re.sub(r"[^\w\s]", " ", x.casefold()).split() for x in (a, b)]
+    return words[0] == words[1]
+
+
+def preparation(records: list[TurnRecord]) -> dict:
     """Early preparation: how often a prepared reply answered the turn, how often one was
     dropped, and the work dropped as a share of the work that answered (tokens, audio)."""
-    preps = [t.get("preparation") or {} for t in turns]  # records older than it have none
+    preps = [r.preparation for r in records]
+    committed = [r for r in records if r.preparation.committed]
 
-    def total(key: str) -> float:
-        return sum(p.get(key) or 0 for p in preps)
-
-    def share(wasted: str, used: str) -> float | None:
-        return total(wasted) / total(used) if total(used) else None
+    def share(wasted: float, used: float) -> float | None:
+        return wasted / used if used else None
 
     return {
-        "prepared_turns": sum(bool(p.get("prepared")) for p in preps),
-        "committed": sum(bool(p.get("committed")) for p in preps),
-        "discarded": int(total("discarded")),
-        "lead_ms_p50": percentile([p["lead_ms"] for p in preps
-                                   if p.get("lead_ms") is not None], 50),
-        "wasted_tokens_share": share("discarded_tokens", "answer_tokens"),
-        "wasted_audio_share": share("discarded_audio_ms", "answer_audio_ms"),
+        "prepared_turns": sum(p.prepared > 0 for p in preps),
+        "committed": len(committed),
+        # A committed reply prepared from another transcript than the final one (must be 0).
+        "false_commits": sum(not _same_words(r.preparation.prepared_text, r.user_text)
+                             for r in committed if r.preparation.prepared_text is not None),
+        "discarded": sum(p.discarded for p in preps),
+        "lead_ms_p50": percentile([p.lead_ms for p in preps if p.lead_ms is not None], 50),
+        "wasted_tokens_share": share(sum(p.discarded_tokens for p in preps),
+                                     sum(p.answer_tokens for p in preps)),
+        "wasted_audio_share": share(sum(p.discarded_audio_ms for p in preps),
+                                    sum(p.answer_audio_ms for p in preps)),
     }
 
 

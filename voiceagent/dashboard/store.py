@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from voiceagent.pipeline.clocks import TurnRecord
+from voiceagent.pipeline.turn_record import TurnRecord
 
 SCHEMA_VERSION = 1
 SCHEMA = """

@@ -36,11 +36,12 @@ from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config
 from voiceagent.llm_setup import LLMRuntime, build_runtime
 from voiceagent.models import resolve
-from voiceagent.pipeline.clocks import ClocksObserver, TurnRecord
+from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.stt import make_stt, shared_whisper
 from voiceagent.pipeline.tts import make_tts, shared_piper_voice
+from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.turns import turn_strategies
 from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
 

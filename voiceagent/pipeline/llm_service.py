@@ -200,7 +200,6 @@ class SpeculativeLLMService(LLMService):
         # The latest prefill-only request (the system prompt, or the caller's words so far): the
         # next reply's prefix.
         self._prefill: asyncio.Task | None = None
-        self._prefill_handle: RequestHandle | None = None
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -270,7 +269,6 @@ class SpeculativeLLMService(LLMService):
         except ValueError as exc:  # over max_context: the real turn reports it
             logger.warning(f"{self}: prefill refused: {exc}")
             return
-        self._prefill_handle = handle
         self._prefill = self.create_task(handle.result(), f"prefill-{self._session_id}")
 
     def _messages(self, context: LLMContext) -> list[dict[str, str]]:
@@ -294,7 +292,8 @@ class SpeculativeLLMService(LLMService):
     async def cleanup(self):
         handles = [request.handle for request in self._requests.values()]
         if self._prefill is not None and not self._prefill.done():
-            handles.append(self._prefill_handle)
+            # Not waited for: a call refused at once must give its slot back at once. Its KV
+            # may outlive drop_session() below; the engine's session LRU bounds that.
             await self.cancel_task(self._prefill)
         await self._abort()
         # The engine frees a cancelled request's KV at its next step boundary, and a request's

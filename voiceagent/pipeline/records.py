@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Protocol
 
-from voiceagent.pipeline.clocks import TurnRecord
+from voiceagent.pipeline.turn_record import TurnRecord
 
 
 class TurnSink(Protocol):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import asdict
 
 from fastapi import APIRouter, HTTPException, Request
 from loguru import logger
@@ -22,8 +23,8 @@ from pipecat.transports.smallwebrtc.request_handler import (
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 
 from voiceagent.pipeline.builder import build_call
-from voiceagent.pipeline.clocks import TurnRecord
 from voiceagent.pipeline.idle import IdleWatchdog
+from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.server.auth import presented_token, token_ok
 from voiceagent.server.calls import ActiveCall, ServerBusy
 from voiceagent.server.state import ServerState
@@ -171,6 +172,6 @@ def turn_message(record: TurnRecord) -> dict:
         "user_text": record.user_text,
         "bot_text": record.bot_text,
         "interrupted": record.interrupted,
-        "clocks": record.clocks,
+        "clocks": asdict(record.clocks),
         "barge_in_to_silence_ms": record.barge_in_to_silence_ms,
     }
