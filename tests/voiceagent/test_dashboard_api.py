@@ -14,6 +14,7 @@ from tests.voiceagent.serving import server_config, serving, twilio_url
 from tests.voiceagent.turns import make_turn
 from voiceagent.dashboard.stats import overview
 from voiceagent.dashboard.store import CallInfo
+from voiceagent.pipeline.turn_record import Preparation
 from voiceagent.server.app import create_app
 from voiceagent.twilio_caller import TwilioCaller
 
@@ -165,3 +166,19 @@ async def test_a_real_call_is_counted_stored_and_streamed_live(tmp_path, models)
     assert samples[("voiceagent_turns_total", (("method", "ngram"),))] == turns_run
     assert [c["turns"] for c in calls] == [turns_run] and calls[0]["ended_at"] is not None
     assert "turn" in events and events.count("call") == 2  # started, ended
+
+
+async def test_metrics_count_prepared_replies_by_outcome_and_their_waste(tmp_path):
+    app = _app(tmp_path)
+    committed, hesitant = make_turn("c1", 1), make_turn("c1", 2)
+    committed.preparation = Preparation(prepared=1, committed=True)
+    hesitant.preparation = Preparation(prepared=3, committed=True, discarded=2,
+                                       discarded_tokens=17)
+    for record in (committed, hesitant):
+        app.state.server.records.add(record)
+    async with _client(app) as http:
+        samples = _samples((await http.get("/metrics")).text)
+    outcome = lambda o: samples[("voiceagent_prepared_replies_total",  # noqa: E731
+                                 (("method", "ngram"), ("outcome", o)))]
+    assert (outcome("committed"), outcome("discarded")) == (2, 2)
+    assert samples[("voiceagent_discarded_tokens_total", (("method", "ngram"),))] == 17
