@@ -34,6 +34,7 @@ from llm_engine.verify import (
 )
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)  # [0], the draft of a plain step
+_DROPPED_KEPT = 1024  # dropped session ids remembered (a request outlives its call by a step)
 
 
 @dataclass(eq=False)
@@ -52,7 +53,6 @@ class RequestState:
     stats: RequestStats
     t_start: float
     reuse_len: int = 0  # prompt tokens whose KV came from the session cache
-    bound: bool = False  # the session's cache was taken (at the first step, see _bind_session)
     prefilled: bool = False
     finished: bool = False
     finish_reason: str | None = None  # 'eos' | 'length' | 'cancelled'
@@ -104,6 +104,9 @@ class SpeculativeEngine:
         self.plain_cost = PlainStepCost()  # one estimate per engine: it is a machine property
         self.totals = EngineTotals()
         self._sessions: OrderedDict[str, _SessionKV] = OrderedDict()
+        # Sessions dropped lately: a request of one still in flight frees its KV on release
+        # instead of keeping it for a call that has ended.
+        self._dropped: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- request lifecycle -------------------------------------------------------------------
@@ -182,7 +185,9 @@ class SpeculativeEngine:
         state.released = True
         if not state.finished:
             self._finish(state, "cancelled")
-        if state.session_id is not None and state.cache is not None:
+        with self._lock:
+            dropped = state.session_id in self._dropped
+        if state.session_id is not None and state.cache is not None and not dropped:
             cached = state.token_ids[: kv.cache_length(state.cache)]
             self._keep_session(
                 state.session_id, _SessionKV(cached, state.cache, state.proposer, state.method)
@@ -330,9 +335,6 @@ class SpeculativeEngine:
         cancelled just before this one was submitted (an early reply discarded because the caller
         went on) has released its cache by then, so its prefix is reused, not prefilled again.
         """
-        if state.bound:
-            return
-        state.bound = True
         cache, proposer, state.reuse_len = self._take_session(
             state.session_id, state.prompt_ids, state.method, state.proposer)
         state.cache, state.proposer = cache, proposer
@@ -377,9 +379,13 @@ class SpeculativeEngine:
             stale.proposer.release()
 
     def drop_session(self, session_id: str) -> None:
-        """Forget a session's prefix cache (the call ended)."""
+        """Forget a session's prefix cache (the call ended; its id is not used again). A request
+        of it still in flight frees its KV when it ends."""
         with self._lock:
             entry = self._sessions.pop(session_id, None)
+            self._dropped[session_id] = None
+            while len(self._dropped) > _DROPPED_KEPT:
+                self._dropped.popitem(last=False)
         if entry is not None:
             entry.proposer.release()
 

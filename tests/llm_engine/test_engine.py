@@ -247,6 +247,17 @@ def test_sessions_do_not_share_kv(target, tokenizer, prompts):
     assert state.stats.reused_prefix_tokens == 0
 
 
+def test_a_request_that_outlives_its_dropped_session_frees_its_kv(target, tokenizer, prompts):
+    engine = make_engine(target, tokenizer)
+    state = engine.start(prompts[0], session_id="ended-call")
+    engine.step(state)  # in flight when the call ends
+    engine.drop_session("ended-call")
+    engine.release(state)
+    assert state.cache is None
+    _, later = run(engine, prompts[0] + [5], session_id="ended-call")
+    assert later.stats.reused_prefix_tokens == 0  # nothing was kept for the ended call
+
+
 # -- scheduling and stats -------------------------------------------------------------------------
 
 

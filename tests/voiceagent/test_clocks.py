@@ -25,6 +25,7 @@ from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import TransportParams
 
 from voiceagent.pipeline.clocks import ClocksObserver
+from voiceagent.pipeline.frames import PreparedResponseStartFrame
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
@@ -149,13 +150,16 @@ async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste()
     await push(obs, VADUserStartedSpeakingFrame(), 0)
     # The caller pauses: a reply is prepared, then withdrawn when they go on.
     await push(obs, _prepared_context("what is the"), 900, dst=LLM)
+    await push(obs, PreparedResponseStartFrame(), 901, src=LLM)
     await push(obs, LLMTextFrame("The"), 1000, src=LLM)
     await push(obs, EagerEndOfTurnCancelFrame(), 1100)
+    await push(obs, LLMTextFrame(" stale"), 1101, src=LLM)  # pushed before the LLM saw it
     await push(obs, _prepared_metrics(3, discarded=True), 1110)
     await push(obs, MetricsFrame(data=[HeldAudioMetricsData(processor="gate",
                                                             discarded_audio_ms=250.0)]), 1111)
     # The sentence ends: a second preparation, confirmed by the turn end.
     await push(obs, _prepared_context("what is the time"), 2000, dst=LLM)
+    await push(obs, PreparedResponseStartFrame(), 2001, src=LLM)
     await push(obs, LLMTextFrame("It is"), 2100, src=LLM)
     await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 2300)
     await push(obs, TranscriptionFrame("What is the time?", "user", "now"), 2301)

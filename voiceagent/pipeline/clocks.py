@@ -27,6 +27,7 @@ from pipecat.frames.frames import (
     EagerEndOfTurnCancelFrame,
     InterruptionFrame,
     LLMContextFrame,
+    LLMFullResponseStartFrame,
     LLMTextFrame,
     MetricsFrame,
     TranscriptionFrame,
@@ -120,6 +121,9 @@ class ClocksObserver(BaseObserver):
         self._listening: _Turn | None = None  # the user is speaking; no request yet
         self._answering: _Turn | None = None  # the request went out; the bot replies
         self._preparing: _Turn | None = None  # being heard, with a prepared reply in flight
+        # LLMService and/or TTSService: still pushing a withdrawn reply's frames, until their next
+        # reply starts.
+        self._stale: set[type] = set()
         self._count = 0
         self._user_speaking = False
 
@@ -168,6 +172,8 @@ class ClocksObserver(BaseObserver):
             self._discard()
         elif isinstance(frame, UserStoppedSpeakingFrame):
             self._commit()
+        elif isinstance(src, (LLMService, TTSService)) and self._from_withdrawn(frame, src):
+            return
         elif self._preparing is not None and isinstance(src, (LLMService, TTSService)):
             self._reply_frame(self._preparing, frame, src, ts)
         elif self._answering is not None:
@@ -184,9 +190,18 @@ class ClocksObserver(BaseObserver):
         turn.preparation.prepared_text = last.get("content") if isinstance(last, dict) else None
         self._preparing = turn
 
+    def _from_withdrawn(self, frame, src) -> bool:
+        """Whether a frame of the LLM or the TTS belongs to a withdrawn reply: they pass the
+        withdrawal on after pushing what they had, and the next reply starts with a Start."""
+        kind = LLMService if isinstance(src, LLMService) else TTSService
+        if isinstance(frame, LLMFullResponseStartFrame):
+            self._stale.discard(kind)
+        return kind in self._stale
+
     def _discard(self) -> None:
         turn, self._preparing = self._preparing, None
         if turn is not None:
+            self._stale = {LLMService, TTSService}
             turn.preparation.discarded += 1
             # Its stats are in when it had finished generating before the withdrawal.
             turn.preparation.discarded_tokens += turn.engine.get("generated_tokens", 0)

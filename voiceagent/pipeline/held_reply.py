@@ -37,17 +37,22 @@ class HeldReplyGate(FrameProcessor):
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         await super().process_frame(frame, direction)
+        was_holding = self._gate.state == SpeculationState.HOLDING
         if isinstance(frame, LLMFullResponseStartFrame):
             self._gate.begin_speculation(isinstance(frame, PreparedResponseStartFrame))
-        was_holding = self._gate.state == SpeculationState.HOLDING
+            if was_holding:  # the gate drops a held reply that a new one supersedes
+                await self._dropped()
+        elif was_holding and isinstance(frame, (EagerEndOfTurnCancelFrame, InterruptionFrame)):
+            await self._dropped()
         for out, out_direction in self._gate.process(frame, direction):
             await self.push_frame(out, out_direction)
-        holding = self._gate.state == SpeculationState.HOLDING
-        if holding and isinstance(frame, TTSAudioRawFrame):
+        if self._gate.state != SpeculationState.HOLDING:
+            self._held_audio_s = 0.0  # released, or dropped
+        elif isinstance(frame, TTSAudioRawFrame):
             self._held_audio_s += len(frame.audio) / (2 * frame.num_channels * frame.sample_rate)
-        elif was_holding and not holding:  # released, or dropped
-            if isinstance(frame, (EagerEndOfTurnCancelFrame, InterruptionFrame)):
-                await self.push_frame(MetricsFrame(
-                    data=[HeldAudioMetricsData(processor=self.name,
-                                               discarded_audio_ms=self._held_audio_s * 1000)]))
-            self._held_audio_s = 0.0
+
+    async def _dropped(self) -> None:
+        """Report the held audio the gate is about to drop."""
+        await self.push_frame(MetricsFrame(data=[HeldAudioMetricsData(
+            processor=self.name, discarded_audio_ms=self._held_audio_s * 1000)]))
+        self._held_audio_s = 0.0

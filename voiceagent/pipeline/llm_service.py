@@ -110,7 +110,6 @@ from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFa
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_PREFILL_WAIT_S = 5.0  # a reply waits at most this long for the prefill of its prefix
 _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
 
 
@@ -292,8 +291,8 @@ class SpeculativeLLMService(LLMService):
     async def cleanup(self):
         handles = [request.handle for request in self._requests.values()]
         if self._prefill is not None and not self._prefill.done():
-            # Not waited for: a call refused at once must give its slot back at once. Its KV
-            # may outlive drop_session() below; the engine's session LRU bounds that.
+            # Not waited for: a call refused at once must give its slot back at once. The engine
+            # frees its KV on release, since the session is dropped below.
             await self.cancel_task(self._prefill)
         await self._abort()
         # The engine frees a cancelled request's KV at its next step boundary, and a request's
@@ -307,10 +306,11 @@ class SpeculativeLLMService(LLMService):
     # -- one request ----------------------------------------------------------------------------
 
     async def _begin(self, context: LLMContext, prepared: bool) -> None:
+        # No wait for a prefill in flight: the engine steps requests in arrival order and a
+        # request takes its session's KV at its first step, so the one-step prefill has returned
+        # it by then. Nothing here awaits before the request is registered, so a withdrawal or an
+        # interruption that arrives next always finds it.
         self._log_llm_response(context)
-        if self._prefill is not None and not self._prefill.done():
-            # Its prefill is this request's prefix: waiting for it costs nothing extra.
-            await asyncio.wait({self._prefill}, timeout=_PREFILL_WAIT_S)
         try:
             prompt_ids = encode_chat(self._tokenizer, self._messages(context))
             handle = self._engine.submit(prompt_ids, self._sampling, self._session_id, self._method)

@@ -152,6 +152,8 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         await super()._handle_vad_user_stopped_speaking(frame)
         utterance, self._utterance = self._utterance, None
         self._paused = False
+        # The final settles this utterance's eager transcript; a later utterance's is its own.
+        self._clear_eager_end_of_turn()
         if utterance is None:
             return
         # Speech ended stop_secs before the VAD said so: the hangover is silence.
@@ -214,7 +216,6 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         await self._push_final(result, stopped_at)
 
     async def _push_final(self, result: Transcript, stopped_at: float):
-        self._clear_eager_end_of_turn()
         final_ms = (time.time() - stopped_at) * 1000
         logger.debug(
             f"{self}: final [{result.text}] {final_ms:.0f} ms after VAD stop "

@@ -29,6 +29,7 @@ from pipecat.frames.frames import (
     Frame,
     InterruptionFrame,
     LLMFullResponseStartFrame,
+    UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
 )
 from pipecat.processors.frame_processor import FrameDirection
@@ -98,12 +99,18 @@ class ClausePiperTTSService(TTSService):
             language=self._text_aggregator.language,
         )
         self._preparing = False  # synthesising a reply whose turn is not confirmed yet
+        # The caller's turn ended since it last started: a prepared reply that reaches us after
+        # its commit (the commit, a system frame, can overtake it) is committed already.
+        self._turn_ended = False
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         if isinstance(frame, LLMFullResponseStartFrame):
-            self._preparing = isinstance(frame, PreparedResponseStartFrame)
+            prepared = isinstance(frame, PreparedResponseStartFrame)
+            self._preparing = prepared and not self._turn_ended
+        elif isinstance(frame, UserStartedSpeakingFrame):
+            self._turn_ended = False
         elif isinstance(frame, UserStoppedSpeakingFrame):
-            self._preparing = False  # the turn is confirmed: the reply is committed
+            self._preparing, self._turn_ended = False, True  # the reply is committed
         await super().process_frame(frame, direction)
         if isinstance(frame, EagerEndOfTurnCancelFrame) and self._preparing:
             self._preparing = False

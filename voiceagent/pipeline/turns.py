@@ -44,9 +44,9 @@ SPECULATION_TIMEOUT_S = 5.0  # a prepared reply whose turn never resolves is wit
 
 
 class _Preparing(BaseUserTurnStopStrategy):
-    """Adds early preparation to a stop strategy that keeps the transcript in `self._text`."""
-
-    _text: str
+    """Adds early preparation to a stop strategy. The turn's transcript is its final segments
+    joined by spaces, as the user aggregator writes it to the context (the base strategies keep
+    their own `_text`, which one of them replaces on each segment)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -54,17 +54,20 @@ class _Preparing(BaseUserTurnStopStrategy):
         self._speculation: UserTurnSpeculation | None = None
         self._timeout: asyncio.Task | None = None
         self._open = False  # a user turn is in progress (a backchannel over the bot is not one)
+        self._finals: list[str] = []  # this turn's final transcript segments
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, EagerTranscriptionFrame) and self._open:
             await self._speculate(frame.text)
+        elif isinstance(frame, TranscriptionFrame) and frame.text.strip():
+            self._finals.append(frame.text.strip())
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
             await self._take()  # the STT withdrew it; the frame itself reaches the LLM
         return await super().process_frame(frame)
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         speculation = await self._take()
-        if speculation and self._match.matches(speculation.text, self._text):
+        if speculation and self._match.matches(speculation.text, " ".join(self._finals)):
             logger.debug(f"{self}: turn ended as prepared: committing the prepared reply")
             await self.trigger_user_turn_finalized(
                 enable_user_speaking_frames=enable_user_speaking_frames,
@@ -72,20 +75,20 @@ class _Preparing(BaseUserTurnStopStrategy):
             )
             return
         if speculation:
-            logger.debug(f"{self}: transcript changed ([{speculation.text}] -> [{self._text}]): "
-                         "discarding the prepared reply")
+            logger.debug(f"{self}: transcript changed ([{speculation.text}] -> "
+                         f"[{' '.join(self._finals)}]): discarding the prepared reply")
             await self.trigger_user_turn_speculation_cancelled()
         await super().trigger_user_turn_stopped(
             enable_user_speaking_frames=enable_user_speaking_frames)
 
     async def handle_user_turn_started(self):
         await self._withdraw()
-        self._open = True
+        self._open, self._finals = True, []
         await super().handle_user_turn_started()
 
     async def handle_user_turn_stopped(self):
         await self._withdraw()
-        self._open = False
+        self._open, self._finals = False, []
         await super().handle_user_turn_stopped()
 
     async def cleanup(self):
@@ -94,7 +97,7 @@ class _Preparing(BaseUserTurnStopStrategy):
 
     async def _speculate(self, text: str) -> None:
         await self._withdraw()  # at most one prepared reply at a time
-        speculation = UserTurnSpeculation(text=self._text + text)
+        speculation = UserTurnSpeculation(text=" ".join([*self._finals, text.strip()]))
         self._speculation = speculation
         self._timeout = self.task_manager.create_task(
             self._expire(speculation), f"{self}::prepared_reply_timeout")
