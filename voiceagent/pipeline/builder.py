@@ -42,7 +42,7 @@ from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.stt import make_stt, shared_whisper
 from voiceagent.pipeline.tts import make_tts, shared_piper_voice
 from voiceagent.pipeline.turn_record import TurnRecord
-from voiceagent.pipeline.turns import turn_strategies
+from voiceagent.pipeline.turns import shared_smart_turn_session, turn_strategies
 from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
 
 
@@ -70,6 +70,8 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     progress(f"loading TTS voice {cfg.tts.voice} ...")
     shared_piper_voice(str(tts.location), cfg.tts.use_cuda, cfg.tts.cpu_threads)
     make_vad(cfg.vad)  # loads the shared Silero session
+    if cfg.turn.stop == "smart_turn":
+        shared_smart_turn_session()
     return SharedModels(llm=llm, engine=llm.serve())
 
 

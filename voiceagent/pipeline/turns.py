@@ -13,6 +13,7 @@ ours keeps the local one and adds the speculation to it.
 from __future__ import annotations
 
 import asyncio
+from functools import lru_cache
 
 from loguru import logger
 from pipecat.frames.frames import (
@@ -194,11 +195,30 @@ def turn_strategies(cfg: TurnConfig) -> UserTurnStrategies:
     return UserTurnStrategies(start=start, stop=[_stop_strategy(cfg)])
 
 
+@lru_cache(maxsize=1)
+def shared_smart_turn_session():
+    """One ONNX session of pipecat's bundled Smart Turn v3 model per process (creating one takes
+    35 ms, too long for the event loop at each call; onnxruntime's Run is thread-safe)."""
+    from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+
+    return LocalSmartTurnAnalyzerV3(cpu_count=1)._session
+
+
+def _smart_turn_analyzer():
+    """pipecat's LocalSmartTurnAnalyzerV3 with its own audio state over the shared session."""
+    from pipecat.audio.turn.smart_turn.base_smart_turn import BaseSmartTurn
+    from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+
+    analyzer = LocalSmartTurnAnalyzerV3.__new__(LocalSmartTurnAnalyzerV3)
+    BaseSmartTurn.__init__(analyzer)  # the per-call state; LocalSmartTurnAnalyzerV3's own
+    analyzer._log_data = False  # __init__ would only load the model again
+    analyzer._session = shared_smart_turn_session()
+    return analyzer
+
+
 def _stop_strategy(cfg: TurnConfig) -> BaseUserTurnStopStrategy:
     if cfg.stop == "smart_turn":
-        from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
-
-        analyzer = LocalSmartTurnAnalyzerV3(cpu_count=1)
+        analyzer = _smart_turn_analyzer()
         if cfg.prepare:
             return PreparingSmartTurnStopStrategy(turn_analyzer=analyzer)
         return TurnAnalyzerUserTurnStopStrategy(turn_analyzer=analyzer)
