@@ -16,8 +16,8 @@ from voiceagent.config import load_config, store_path
 from voiceagent.dashboard.store import SQLiteTurnStore
 from voiceagent.pipeline.builder import load_shared
 
-HANGOVER_S = 2.5  # long enough for the pause transcript and the prepared reply's first audio
-MID_PAUSE_S = 1.8  # shorter than the hangover: the caller goes on after it
+HANGOVER_S = 3.2  # long enough for the pause transcript and the prepared reply's first audio
+MID_PAUSE_S = 2.5  # shorter than the hangover: the caller goes on after it
 BARGE_IN_BOUND_MS = 600
 
 
