@@ -1,6 +1,6 @@
 """The async bridge: one worker thread steps every in-flight request; asyncio gets text deltas.
 
-Sync torch, async pipeline, one bridge (STYLE.md 7). The event loop never touches torch: it
+Sync torch, async pipeline, one bridge. The event loop never touches torch: it
 submits a request and awaits `TextDelta`s that the worker hands over with
 `loop.call_soon_threadsafe`.
 
@@ -9,7 +9,7 @@ engine step in turn (prefill, or one draft+verify), round-robin. A new call's pr
 waits at most one step of each other request, and a long reply cannot starve anyone. Each forward
 runs at batch size 1: on a CPU and at voice-agent concurrency (a few calls per process) batching
 would add latency to every call for throughput nobody needs; a GPU deployment that needs many
-calls per device should move generation to vLLM/SGLang behind the same interface (ARCHITECTURE.md).
+calls per device should move generation to vLLM/SGLang behind the same interface.
 
 Cancellation (barge-in): `RequestHandle.cancel()`, or cancelling the task that awaits the handle,
 sets the request's flag; the worker honours it at the next step boundary, frees the KV, and

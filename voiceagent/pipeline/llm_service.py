@@ -4,7 +4,8 @@ The service turns pipecat's universal `LLMContext` into chat messages, submits t
 `llm_engine.serving.AsyncEngine`, and streams the engine's text deltas out as pipecat expects
 (`LLMFullResponseStartFrame`, `LLMTextFrame`s, `LLMFullResponseEndFrame`; compare
 pipecat/services/openai/base_llm.py `process_frame`, lines 687-741). Each request's
-`RequestStats` leave as an `EngineStatsMetricsData` in a `MetricsFrame` (STYLE.md 9).
+`RequestStats` leave as an `EngineStatsMetricsData` in a `MetricsFrame`: metrics are data, not
+log lines.
 
 Barge-in. pipecat answers an `InterruptionFrame` by cancelling the processor's process task
 (frame_processor.py `_start_interruption`, lines 1152-1170), so `CancelledError` lands at whatever
