@@ -43,6 +43,7 @@ from pipecat.services.llm_service import LLMService
 from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 
+from voiceagent.pipeline.frames import audio_seconds
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
@@ -238,7 +239,7 @@ class ClocksObserver(BaseObserver):
             turn.tts_started_ns = turn.tts_started_ns or ts
         elif isinstance(frame, TTSAudioRawFrame) and isinstance(src, TTSService):
             turn.tts_first_chunk_ns = turn.tts_first_chunk_ns or ts
-            turn.audio_s += len(frame.audio) / (2 * frame.num_channels * frame.sample_rate)
+            turn.audio_s += audio_seconds(frame)
         elif isinstance(frame, BotStartedSpeakingFrame) and isinstance(src, BaseOutputTransport):
             turn.speaking = True
             turn.first_audio_ns = turn.first_audio_ns or ts

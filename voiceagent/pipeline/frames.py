@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipecat.frames.frames import DataFrame, LLMFullResponseStartFrame, SystemFrame
+from pipecat.frames.frames import AudioRawFrame, DataFrame, LLMFullResponseStartFrame, SystemFrame
+
+
+def audio_seconds(frame: AudioRawFrame) -> float:
+    """How long a frame's 16-bit PCM plays."""
+    return len(frame.audio) / (2 * frame.num_channels * frame.sample_rate)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pipecat.frames.frames import (
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.turns.speculation_gate import SpeculationGate, SpeculationState
 
-from voiceagent.pipeline.frames import PreparedResponseStartFrame
+from voiceagent.pipeline.frames import PreparedResponseStartFrame, audio_seconds
 from voiceagent.pipeline.metrics import HeldAudioMetricsData
 
 
@@ -49,7 +49,7 @@ class HeldReplyGate(FrameProcessor):
         if self._gate.state != SpeculationState.HOLDING:
             self._held_audio_s = 0.0  # released, or dropped
         elif isinstance(frame, TTSAudioRawFrame):
-            self._held_audio_s += len(frame.audio) / (2 * frame.num_channels * frame.sample_rate)
+            self._held_audio_s += audio_seconds(frame)
 
     async def _dropped(self) -> None:
         """Report the held audio the gate is about to drop."""

@@ -17,6 +17,8 @@ from pipecat.transports.base_input import BaseInputTransport
 from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import BaseTransport, TransportParams
 
+from voiceagent.pipeline.frames import audio_seconds
+
 FRAME_S = 0.02
 
 
@@ -97,7 +99,7 @@ class WavCallOutput(BaseOutputTransport):
     async def write_audio_frame(self, frame: OutputAudioRawFrame) -> bool:
         at = max(self._clock.now(), self._playhead)
         self.chunks.append((at, frame.audio))
-        self._playhead = at + len(frame.audio) / (2 * frame.num_channels * frame.sample_rate)
+        self._playhead = at + audio_seconds(frame)
         if self._realtime:  # like a device: return once this chunk is (about to be) played
             await asyncio.sleep(max(0.0, at - self._clock.now()))
         return True
