@@ -6,27 +6,22 @@ steps) even a seeded sampled request gets the same tokens whatever K is (`llm_en
 Only a seeded request with a sampling draft model runs without the gate: its random stream is
 drawn in step order, so a timing-driven K schedule would change its tokens between runs.
 
-- AdaptiveK: a fully accepted draft of length d sets K to at least 2d, so a read-back climbs
-  4 -> 8 -> 10 in two steps (7 -> 11 with the CPU's row rounding below). Long drafts pay when
-  they are accepted: on a CPU, verifying 8-12 rows costs ~1.3-1.8 plain steps and commits up to
-  9-12 tokens (HF's prompt lookup drafts 10). Otherwise an EMA of the per-step acceptance rate
-  moves K with hysteresis: +1 after `patience` steps at or above `grow_above`, halved after
-  `patience` steps below `shrink_below`, nothing in the dead band between (no flapping). In the
-  spirit of HF's "+2 when all accepted, -1 otherwise" and SGLang's accept-length tiers.
+- DraftLength: K is the cost model's best draft length (`llm_engine.cost_model`) for the
+  acceptance measured so far in this request: per drafted token, accepted / tried, with older
+  steps decaying. A read-back accepts whole drafts and K climbs to its maximum at once; a
+  conversation accepting a third of the tokens gets the short draft the verify curve pays for.
 - CostGate: speculation pays when its cost per committed token, (draft + verify ms) over tokens
-  per step, is below one plain decode step. The rule:
-    close when  max(median step ms, plain ms) / mean committed per step  >=  plain ms,
+  per step, is below one plain decode step. It closes when either says no:
+    measured: max(median step ms, plain ms) / mean committed per step  >=  plain ms,
+    predicted: the cost model's best K at the measured acceptance is 0 (plain wins),
   over the speculative steps since the gate (re)opened (a window of the last 8), once there are
   `min_steps` (2) of them. The floor at one plain step is physics, not tuning: verifying k + 1
   rows cannot be cheaper than one row, a lower reading is timer noise. So steps that accepted
   nothing (one token each) can never look profitable, and two of them close the gate whatever
-  the timings; with ~0.5 accepted per step it stays open only if the step costs < 1.5 plain.
-  A closed gate runs plain steps, then re-probes after `reprobe_steps` of them, a wait that
-  doubles each time it closes. A re-probe drafts at most `probe_k` tokens (fewer rows to pay
-  for) until it has passed `min_steps`; the first probe of a request uses the full K, as a
-  read-back starts right away.
-- fill_rows: the K actually drafted is rounded up so that the verify input (K + 1 rows) fills
-  whole blocks of the CPU's matmul kernel (`verify_row_multiple`).
+  the timings. A closed gate runs plain steps, then re-probes after `reprobe_steps` of them, a
+  wait that doubles each time it closes. A re-probe drafts at most `probe_k` tokens (fewer rows
+  to pay for) until it has passed `min_steps`; the first probe of a request uses the full K, as
+  a read-back starts right away. A closed gate costs nothing: the proposer is not called.
 """
 
 from __future__ import annotations
@@ -34,19 +29,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-
-def fill_rows(k: int, multiple: int) -> int:
-    """The draft length >= k whose verify input (k + 1 rows) is a multiple of `multiple` rows.
-
-    CPU matmul kernels work on blocks of rows. With MKL on the AMD EPYC this was measured on, a
-    [rows, 576] x [576, 49152] output head takes 7.5 ms for 1 row, 16 for 2, 23 for 3, 13 for 4,
-    23 for 7, 13 for 8, 25 for 11 and 15 for 12: leftover rows past a block of 4 are separate
-    passes over the weights. A whole SmolLM2-135M verify follows (3 rows ~1.35x the cost of 4),
-    so drafting 3 tokens is cheaper than drafting 2. k = 0 (a plain step) stays 0.
-    """
-    if k <= 0 or multiple <= 1:
-        return k
-    return -(-(k + 1) // multiple) * multiple - 1
+from llm_engine.cost_model import CostModel
 
 
 class PlainStepCost:
@@ -56,11 +39,11 @@ class PlainStepCost:
     The median of a recent window, so one step stalled by another process doesn't swing it.
     """
 
-    def __init__(self, window: int = 16, warmup_steps: int = 1):
+    def __init__(self, window: int = 16, warmup_steps: int = 1, initial_ms: float | None = None):
         self.warmup_steps = warmup_steps
         self.samples = 0
         self._recent: deque[float] = deque(maxlen=window)
-        self.ms: float | None = None
+        self.ms: float | None = initial_ms  # the cost model's, until steps of this load are seen
 
     @property
     def ready(self) -> bool:
@@ -74,50 +57,43 @@ class PlainStepCost:
         self.ms = statistics.median(self._recent)
 
 
-class AdaptiveK:
-    def __init__(
-        self,
-        k: int,
-        min_k: int,
-        max_k: int,
-        enabled: bool = True,
-        alpha: float = 0.5,
-        grow_above: float = 0.8,
-        shrink_below: float = 0.5,
-        patience: int = 2,
-    ):
-        assert 0 <= min_k <= max_k and grow_above > shrink_below
-        self.k = min(max(k, min_k), max_k)
-        self.min_k, self.max_k, self.enabled = min_k, max_k, enabled
-        self.alpha, self.grow_above, self.shrink_below = alpha, grow_above, shrink_below
-        self.patience = patience
-        self.acceptance: float | None = None  # EMA of accepted / drafted
-        self._signal = 0
-        self._streak = 0
+class DraftLength:
+    """K from the cost model and the acceptance measured in this request."""
+
+    def __init__(self, costs: CostModel | None, method: str, k: int, min_k: int, max_k: int,
+                 enabled: bool = True, decay: float = 0.7):
+        assert 0 <= min_k <= max_k and 0.0 < decay <= 1.0
+        self.costs, self.method = costs, method
+        self.initial = min(max(k, min_k), max_k)
+        self.min_k, self.max_k, self.enabled, self.decay = min_k, max_k, enabled, decay
+        self._accepted = 0.0  # decayed sums over drafted steps: accepted tokens,
+        self._tried = 0.0  # and tokens the target judged (the accepted ones and the first miss)
+
+    @property
+    def acceptance(self) -> float | None:
+        return self._accepted / self._tried if self._tried else None
 
     def observe(self, drafted: int, accepted: int) -> None:
-        if not self.enabled or drafted == 0:
+        if drafted == 0:
             return
-        rate = accepted / drafted
-        ema = (
-            rate
-            if self.acceptance is None
-            else self.acceptance + self.alpha * (rate - self.acceptance)
-        )
-        self.acceptance = ema
-        if accepted == drafted:
-            # Jump, not step: a draft shorter than K (the n-gram's continuation ran out) says
-            # nothing about longer ones, so K never shrinks here.
-            self.k = min(max(self.k, 2 * drafted), self.max_k)
-            self._signal = self._streak = 0
-            return
-        signal = 1 if ema >= self.grow_above else -1 if ema < self.shrink_below else 0
-        self._streak = self._streak + 1 if signal == self._signal and signal else int(signal != 0)
-        self._signal = signal
-        if self._streak >= self.patience:
-            k = self.k + 1 if signal > 0 else self.k // 2
-            self.k = min(max(k, self.min_k), self.max_k)
-            self._streak = 0
+        self._accepted = self.decay * self._accepted + accepted
+        self._tried = self.decay * self._tried + accepted + (accepted < drafted)
+
+    @property
+    def best(self) -> int:
+        """The cost model's best K now: 0 when plain decoding would be faster."""
+        a = self.acceptance
+        if not self.enabled or a is None or self.costs is None:
+            return self.initial
+        return self.costs.best_k(self.method, a, self.max_k)
+
+    @property
+    def k(self) -> int:
+        return min(max(self.best, self.min_k), self.max_k)
+
+    @property
+    def pays(self) -> bool:
+        return self.best > 0
 
 
 class CostGate:
@@ -152,8 +128,10 @@ class CostGate:
             return 0
         return min(k, self.probe_k) if self._probing else k
 
-    def observe(self, drafted: int, committed: int, ms: float) -> None:
-        """Record one step: ms is its draft + verify time, committed the tokens it produced."""
+    def observe(self, drafted: int, committed: int, ms: float, pays: bool = True) -> None:
+        """Record one step: ms is its draft + verify time, committed the tokens it produced;
+        `pays` is False when the cost model predicts plain decoding is faster at this acceptance.
+        """
         if drafted == 0:
             self.plain.observe(ms)
             if self.enabled and not self.open:
@@ -167,7 +145,7 @@ class CostGate:
         self._committed.append(committed)
         if len(self._step_ms) < self.min_steps or not self.plain.ready:
             return
-        if self.cost_per_token_ms >= self.plain.ms:
+        if not pays or self.cost_per_token_ms >= self.plain.ms:
             self.open = False
             self.closed_count += 1
             self._plain_left = self._reprobe_steps

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 STRICT = {"extra": "forbid", "validate_assignment": True}
-# Methods that draft with a model of their own (engine.draft, engine.eagle).
-MODEL_METHODS = ("draft", "eagle")
 
 
 @dataclass
@@ -35,9 +33,9 @@ class SpeculationConfig:
 
     __pydantic_config__ = STRICT
 
-    method: Literal["off", "ngram", "draft", "eagle"] = "ngram"
-    num_draft_tokens: int = 4  # K at the start of a request
-    adaptive: bool = True  # move K with measured acceptance
+    method: str = "ngram"  # a registered proposer: `llm_engine.proposers.proposer_names()`
+    num_draft_tokens: int = 4  # K until the request has measured its acceptance
+    adaptive: bool = True  # K from the measured cost model and acceptance; False: always K
     min_draft_tokens: int = 1
     max_draft_tokens: int = 10  # a read-back accepts whole drafts; K doubles up to here
     # Turn speculation off for a request when drafting + verifying costs more than it saves.
@@ -45,11 +43,15 @@ class SpeculationConfig:
     gate_min_steps: int = 2  # speculative steps measured before the gate may close
     gate_reprobe_steps: int = 32  # plain steps before a closed gate tries again (doubles each time)
     gate_probe_draft_tokens: int = 2  # K cap while a re-opened gate probes
-    # Round K up so that the K + 1 verified rows fill the matmul kernel's row blocks: 4 for MKL on
-    # a CPU (3 rows cost more than 4 there), 1 (no rounding) where rows are nearly free (GPU).
-    verify_row_multiple: int = 1
     ngram_min: int = 2  # a lone repeated token is a poor guess in free conversation
     ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        from llm_engine.proposers import proposer_names  # registers them; imports this module
+
+        if self.method not in proposer_names():
+            known = ", ".join(proposer_names())
+            raise ValueError(f"unknown speculation method {self.method!r}; known: {known}")
 
 
 @dataclass
@@ -62,8 +64,15 @@ class EngineConfig:
     draft: str | None = None  # a model name/path for method "draft"; the target itself is allowed
     eagle: str | None = None  # an EAGLE head (name/path) for method "eagle", trained for the target
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # The weights' format; auto: bf16 on CUDA, fp16 on MPS, and on a CPU whichever of fp32 and
+    # bf16 is faster here, measured at load (bf16 only above format_min_agreement).
+    format: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    format_min_agreement: float = 0.95  # teacher-forced top-1 agreement with fp32, 0..1
+    # How the target runs: eager (any HF causal LM) or compiled (static cache, torch.compile,
+    # CUDA graphs on a GPU); auto: compiled on CUDA, eager on a CPU.
+    runner: Literal["auto", "eager", "compiled"] = "auto"
     max_context: int = 2048
+    prefill_chunk: int = 256  # prompt tokens per engine step: bounds cancel latency and others' ITL
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from llm_engine.config import MODEL_METHODS, EngineConfig
+from llm_engine.config import EngineConfig
 from llm_engine.pair_card import (
     ModelIdentity,
     PairCard,
@@ -34,6 +34,7 @@ from llm_engine.pair_card import (
     proposer_record,
     runtime_record,
 )
+from llm_engine.proposers import model_settings
 
 MAX_SHOWN = 5  # differences shown per section of the error
 PINNED_DATE = "26 Jul 2024"  # passed to templates as `date_string`
@@ -239,7 +240,7 @@ def make_pair_card(target, draft, config: EngineConfig, resident_bytes: int) -> 
     `target` and `draft` are `loading.LoadedModel`s; `draft` is None for methods without one.
     `resident_bytes` is the measured memory of the whole pair (seed 001 item 8).
     """
-    if config.speculation.method in MODEL_METHODS and draft is None:
+    if config.speculation.method in model_settings() and draft is None:
         raise ValueError(f"speculation method {config.speculation.method!r} needs its draft")
     card = PairCard(
         target=ModelIdentity.from_loaded(target),
@@ -248,7 +249,7 @@ def make_pair_card(target, draft, config: EngineConfig, resident_bytes: int) -> 
         sampling=asdict(config.sampling),
         max_context=config.max_context,
         resident_bytes=int(resident_bytes),
-        runtime=runtime_record(target.device, config.speculation.method),
+        runtime=runtime_record(target.device, config.speculation.method, config.runner),
         fallback=fallback_text(config.speculation),
         compatibility=compatibility(target, draft),
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -19,10 +19,20 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from llm_engine import cost_model as costs
 from llm_engine import kv
-from llm_engine.adaptive import AdaptiveK, CostGate, PlainStepCost, fill_rows
+from llm_engine.adaptive import CostGate, DraftLength, PlainStepCost
 from llm_engine.config import EngineConfig, SamplingConfig
-from llm_engine.proposers import EMPTY_DRAFT, Draft, ProposeContext, Proposer, make_proposer
+from llm_engine.proposers import (
+    EMPTY_DRAFT,
+    Draft,
+    ProposeContext,
+    Proposer,
+    make_proposer,
+    model_settings,
+    proposer_names,
+)
+from llm_engine.runner import EagerRunner, TargetRunner
 from llm_engine.sampling import gumbel_noise, is_greedy, logits_to_probs, make_generator
 from llm_engine.stats import EngineTotals, RequestStats, StepStats
 from llm_engine.verify import (
@@ -48,20 +58,25 @@ class RequestState:
     generator: torch.Generator  # draws in step order: draft-model drafts and verify_sampling
     noise_seed: int  # seeds each position's Gumbel noise for verify_gumbel
     proposer: Proposer
-    k_control: AdaptiveK
+    draft_length: DraftLength
     gate: CostGate
     stats: RequestStats
     t_start: float
     reuse_len: int = 0  # prompt tokens whose KV came from the session cache
     prefilled: bool = False
     finished: bool = False
-    finish_reason: str | None = None  # 'eos' | 'length' | 'cancelled'
+    finish_reason: str | None = None  # 'eos' | 'length' | 'stop' | 'cancelled' | 'error'
     cancelled: bool = False  # set from any thread; honoured at the next step boundary
+    cancel_reason: str = "cancelled"  # the finish_reason a cancel ends with: or 'stop', 'error'
     cancel_time: float | None = None
     released: bool = field(default=False, repr=False)
 
-    def cancel(self) -> None:
-        self.cancel_time = time.perf_counter()
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the request at the next step boundary, recorded as `reason`: 'cancelled' when the
+        caller gave up, or the serving layer's 'stop' (a stop string) or 'error'."""
+        if self.cancel_time is None:  # cancel-to-stop counts from the first cancel
+            self.cancel_time = time.perf_counter()
+        self.cancel_reason = reason
         self.cancelled = True
 
     @property
@@ -87,8 +102,11 @@ class SpeculativeEngine:
         max_sessions: int = 8,
         eos_token_ids: set[int] | None = None,
         eagle_head: torch.nn.Module | None = None,
+        runner: TargetRunner | None = None,
+        cost_model: costs.CostModel | None = None,
     ):
         self.target = target_model
+        self.runner = runner or EagerRunner(target_model)
         self.tokenizer = tokenizer  # kept for callers; never used on the decode path
         self.config = config
         self.spec = config.speculation
@@ -101,7 +119,10 @@ class SpeculativeEngine:
             eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, target_model)
         )
         self.max_sessions = max_sessions
-        self.plain_cost = PlainStepCost()  # one estimate per engine: it is a machine property
+        # Measured here when the caller has none (a test's tiny model measures in milliseconds).
+        self.cost_model = cost_model or self.measure_costs(repeats=2)
+        # One estimate per engine, a machine property: the load-time figure until steps come in.
+        self.plain_cost = PlainStepCost(initial_ms=self.cost_model.plain_ms)
         self.totals = EngineTotals()
         self._sessions: OrderedDict[str, _SessionKV] = OrderedDict()
         # Sessions dropped lately: a request of one still in flight frees its KV on release
@@ -147,8 +168,9 @@ class SpeculativeEngine:
             # The seed itself when there is one; else the generator's fresh random seed.
             noise_seed=generator.initial_seed(),
             proposer=proposer,
-            k_control=AdaptiveK(
-                spec.num_draft_tokens, spec.min_draft_tokens, spec.max_draft_tokens, spec.adaptive
+            draft_length=DraftLength(
+                self.cost_model, method, spec.num_draft_tokens, spec.min_draft_tokens,
+                spec.max_draft_tokens, spec.adaptive,
             ),
             gate=CostGate(
                 self.plain_cost,
@@ -174,7 +196,8 @@ class SpeculativeEngine:
             return []
         with torch.inference_mode():
             if not state.prefilled:
-                self._bind_session(state)
+                if state.cache is None:
+                    self._bind_session(state)
                 return self._prefill(state, budget)
             return self._speculative_step(state, budget)
 
@@ -188,7 +211,7 @@ class SpeculativeEngine:
         with self._lock:
             dropped = state.session_id in self._dropped
         if state.session_id is not None and state.cache is not None and not dropped:
-            cached = state.token_ids[: kv.cache_length(state.cache)]
+            cached = state.token_ids[: self.runner.length(state.cache)]
             self._keep_session(
                 state.session_id, _SessionKV(cached, state.cache, state.proposer, state.method)
             )
@@ -215,41 +238,51 @@ class SpeculativeEngine:
     # -- the ladder: prefill, decode, speculative step -----------------------------------------
 
     def _prefill(self, state: RequestState, budget: int) -> list[int]:
-        """Run the prompt (or its new suffix) through the target; commit the first token."""
+        """Run the prompt (or its new suffix) through the target, one chunk per step, so that a
+        long prompt neither delays a cancel nor stalls other requests; the last chunk commits the
+        first token."""
         t0 = time.perf_counter()
-        suffix = state.token_ids[state.reuse_len :]
-        input_ids = torch.tensor([suffix], device=self.device)  # [1, n]
-        logits, hidden = self._target_forward(state, input_ids, last_only=True)  # [1, vocab]
-        result = self._verify(state, EMPTY_DRAFT, logits)
-        state.prefilled = True
+        first = self.runner.length(state.cache)
+        chunk = state.token_ids[first : first + self.config.prefill_chunk]
+        last = first + len(chunk) == len(state.token_ids)
+        out = self.runner.forward(state.cache, torch.tensor([chunk], device=self.device),
+                                  last_only=True)  # logits [1, vocab]
         stats = state.stats
-        stats.prefill_ms = (time.perf_counter() - t0) * 1000.0
-        stats.prefill_tokens = len(suffix)
+        stats.prefill_ms += (time.perf_counter() - t0) * 1000.0
+        stats.prefill_tokens += len(chunk)
         stats.reused_prefix_tokens = state.reuse_len
-        return self._commit(state, result.tokens, budget, hidden)
+        if not last:
+            self._observe_target(state, state.token_ids[: first + len(chunk) + 1], out.hidden)
+            return []
+        state.prefilled = True
+        result = self._verify(state, EMPTY_DRAFT, out.logits)
+        return self._commit(state, result.tokens, budget, first, out.hidden)
 
     def _speculative_step(self, state: RequestState, budget: int) -> list[int]:
         """Draft k tokens, verify them in one target forward, commit, roll back. k = 0 decodes."""
-        spec = self.spec
-        k = fill_rows(state.gate.limit(state.k_control.k), spec.verify_row_multiple)
         # The bonus token means k drafts can commit k + 1 tokens: never draft past the budget.
-        k = min(k, spec.max_draft_tokens, budget - 1)
+        k = min(state.gate.limit(state.draft_length.k), self.spec.max_draft_tokens, budget - 1)
         t0 = time.perf_counter()
         draft = EMPTY_DRAFT
         if k > 0:
             ctx = ProposeContext(state.token_ids, k, state.sampling, state.generator)
             draft = state.proposer.propose(ctx)
         t1 = time.perf_counter()
-        input_ids = torch.tensor([[state.token_ids[-1], *draft.tokens]], device=self.device)
-        logits, hidden = self._target_forward(state, input_ids)  # [k + 1, vocab]
-        result = self._verify(state, draft, logits)
+        rows = [state.token_ids[-1], *draft.tokens]
+        # Where the verify curve says more rows are cheaper (CPU row blocks), pad; the padding's
+        # logits are never read and its KV is cropped with the rejected drafts'.
+        padded = rows + rows[-1:] * (self.cost_model.rows(len(rows)) - len(rows))
+        first = self.runner.length(state.cache)
+        out = self.runner.forward(state.cache, torch.tensor([padded], device=self.device))
+        result = self._verify(state, draft, out.logits[: len(rows)])  # [k + 1, vocab]
         t2 = time.perf_counter()
 
         drafted = len(draft.tokens)
         if drafted:
             state.proposer.update(result.num_accepted)
-        state.k_control.observe(drafted, result.num_accepted)
-        state.gate.observe(drafted, len(result.tokens), (t2 - t0) * 1000.0)
+        state.draft_length.observe(drafted, result.num_accepted)
+        state.gate.observe(drafted, len(result.tokens), (t2 - t0) * 1000.0,
+                           pays=state.draft_length.pays)
         step = StepStats(
             k=k,
             drafted=drafted,
@@ -260,17 +293,14 @@ class SpeculativeEngine:
             verify_ms=(t2 - t1) * 1000.0,
         )
         state.stats.record_step(step)
-        new = self._commit(state, result.tokens, budget, hidden)
+        new = self._commit(state, result.tokens, budget, first, out.hidden)
         step.committed = len(new)
         return new
 
-    def _target_forward(self, state: RequestState, input_ids: torch.Tensor,
-                        last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [n or 1, vocab]; the last hidden states [n, hidden] only for a proposer that
-        reads them (EAGLE), None otherwise."""
-        if getattr(state.proposer, "uses_target_hidden", False):
-            return kv.forward(self.target, input_ids, state.cache, last_only, hidden=True)
-        return kv.forward(self.target, input_ids, state.cache, last_only), None
+    def _observe_target(self, state: RequestState, token_ids: list[int],
+                        hidden: torch.Tensor) -> None:
+        if state.proposer.uses_target_hidden:
+            state.proposer.observe_target(token_ids, hidden)
 
     def _verify(self, state: RequestState, draft: Draft, logits: torch.Tensor) -> VerifyResult:
         # logits: [k + 1, vocab]
@@ -287,19 +317,21 @@ class SpeculativeEngine:
         q = _align_vocab(draft.q.to(p.device), p.shape[-1])  # [k, vocab]
         return verify_sampling(draft_tokens, q, p, state.generator)
 
-    def _commit(self, state: RequestState, tokens: list[int], budget: int,
-                hidden: torch.Tensor | None = None) -> list[int]:
-        """Append verified tokens (cut at EOS or the budget) and roll the target cache back."""
-        # The forward grew the cache by one position per row of `hidden`: row 0's position.
-        first = kv.cache_length(state.cache) - (0 if hidden is None else len(hidden))
+    def _commit(self, state: RequestState, tokens: list[int], budget: int, first: int,
+                hidden: torch.Tensor) -> list[int]:
+        """Append verified tokens (cut at EOS or the budget) and roll the target cache back.
+
+        `first` is the cache length before the forward whose hidden states [rows, hidden] these
+        are: row i belongs to position first + i.
+        """
         tokens, reason = clip_committed(tokens, self.eos_token_ids, budget)
         state.token_ids.extend(tokens)
         # Drop the KV of rejected drafts (and of anything after an EOS): the cache holds exactly
         # the committed tokens but the last, which the next step feeds.
-        kv.crop_to(state.cache, len(state.token_ids) - 1)
-        if hidden is not None:  # the features of the positions that stayed in the cache
-            state.proposer.observe_target(
-                state.token_ids, hidden[: kv.cache_length(state.cache) - first])
+        self.runner.crop(state.cache, len(state.token_ids) - 1)
+        # The features of the positions that stayed in the cache.
+        self._observe_target(state, state.token_ids,
+                             hidden[: self.runner.length(state.cache) - first])
         now_ms = (time.perf_counter() - state.t_start) * 1000.0
         state.stats.record_tokens(len(tokens), now_ms)
         if reason is not None:
@@ -314,6 +346,8 @@ class SpeculativeEngine:
         )
 
     def _finish(self, state: RequestState, reason: str) -> None:
+        if reason == "cancelled":  # a cancel says why: a stop string is no caller giving up
+            reason = state.cancel_reason
         state.finished = True
         state.finish_reason = reason
         stats = state.stats
@@ -350,7 +384,7 @@ class SpeculativeEngine:
             with self._lock:
                 entry = self._sessions.pop(session_id, None)
         if entry is None:
-            return kv.new_cache(self.target), fresh, 0
+            return self.runner.new_cache(), fresh, 0
         # Keep at least one prompt token to feed: its logits give the first new token.
         keep = min(kv.common_prefix_len(entry.cached_tokens, prompt_ids), len(prompt_ids) - 1)
         proposer = entry.proposer
@@ -359,14 +393,30 @@ class SpeculativeEngine:
         else:
             proposer.release()
             proposer = fresh
-            if getattr(proposer, "uses_target_hidden", False):
+            if proposer.uses_target_hidden:
                 keep = 0  # it never saw the cached positions' hidden states: prefill them all
-        kv.crop_to(entry.cache, keep)
+        self.runner.crop(entry.cache, keep)
         return entry.cache, proposer, keep
 
+    def measure_costs(self, repeats: int = 5, context: int = 256,
+                      key: dict | None = None) -> costs.CostModel:
+        """Time the target's forward for 1 .. max_draft_tokens + 1 rows and each available
+        proposer's drafting on this machine (`llm_engine.cost_model`)."""
+        models = self._models()
+        methods = [m for m in proposer_names()
+                   if m != "off" and model_settings().get(m, "") in {"", *models}]
+        context = max(min(context, self.config.max_context - 2 * self.spec.max_draft_tokens - 8), 8)
+        return costs.measure(
+            self.runner, self.spec.max_draft_tokens + 1,
+            {m: (lambda m=m: self._new_proposer(m)) for m in methods}, context, repeats, key)
+
     def _new_proposer(self, method: str) -> Proposer:
-        model = {"draft": self.draft_model, "eagle": self.eagle_head}.get(method)
-        return make_proposer(method, self.spec, model)
+        return make_proposer(method, self.spec, self._models().get(model_settings().get(method)))
+
+    def _models(self) -> dict[str, torch.nn.Module]:
+        """The drafting models loaded, by the engine setting that names them."""
+        models = {"draft": self.draft_model, "eagle": self.eagle_head}
+        return {setting: model for setting, model in models.items() if model is not None}
 
     def _keep_session(self, session_id: str, entry: _SessionKV) -> None:
         with self._lock:

@@ -71,6 +71,14 @@ def forward(
     last hidden states [n, hidden_size] (what the output head reads), as (logits, hidden).
     """
     assert input_ids.ndim == 2 and input_ids.shape[0] == 1
+    if _plain_head(model):
+        # The decoder's output is what the head reads, so the hidden states cost nothing.
+        decoder = model.get_decoder()
+        states = decoder(
+            input_ids=input_ids, use_cache=True, **{cache_argument(decoder): cache}
+        ).last_hidden_state[0]  # [n, hidden]
+        logits = model.get_output_embeddings()(states[-1:] if last_only else states)
+        return (logits, states) if hidden else logits
     cache_name, has_keep = _forward_kwargs(type(model))
     kwargs = {cache_name: cache, "use_cache": True}
     if last_only and has_keep:
@@ -79,3 +87,17 @@ def forward(
     logits = out.logits[0]  # [n or 1, vocab]
     logits = logits[-1:] if last_only else logits
     return (logits, out.hidden_states[-1][0]) if hidden else logits
+
+
+# Config fields of models whose forward transforms the head's output (Gemma 2's soft-capping,
+# Cohere's and Granite's scaling): those run through their own forward.
+_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _plain_head(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_decoder"):
+        return False
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _HEAD_TRANSFORMS):
+        return False
+    return model.get_output_embeddings() is not None

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from llm_engine.config import MODEL_METHODS, SpeculationConfig
+from llm_engine.config import SpeculationConfig
+from llm_engine.proposers import model_settings
 
 ALGORITHM = (
     "speculative decoding: the proposer drafts K tokens, the target verifies them in one pass "
@@ -127,10 +128,12 @@ def proposer_record(spec: SpeculationConfig, draft) -> dict:
     return record
 
 
-def runtime_record(device: str, method: str) -> dict:
-    """Serving runtime, algorithm and hardware (seed 001 item 4)."""
+def runtime_record(device: str, method: str, runner: str = "eager") -> dict:
+    """Serving runtime, algorithm and hardware (seed 001 item 4); the weights' format is on the
+    model identities."""
     return {
         "engine": "llm_engine (in-process)",
+        "runner": runner,
         "algorithm": "plain autoregressive decoding" if method == "off" else ALGORITHM,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -140,7 +143,7 @@ def runtime_record(device: str, method: str) -> dict:
 
 def _draft_note(method: str, draft) -> str:
     if draft is not None:
-        used = "used" if method in MODEL_METHODS else f"loaded but unused by method {method!r}"
+        used = "used" if method in model_settings() else f"loaded but unused by method {method!r}"
         return f"{draft.name} ({used})"
     if method == "ngram":
         return "none: the ngram proposer drafts by prompt lookup over the prompt and output"

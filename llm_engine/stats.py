@@ -37,8 +37,8 @@ class RequestStats:
     accepted_by_pos: list[int] = field(default_factory=list)  # steps that accepted position i
     accept_len_hist: list[int] = field(default_factory=list)  # [n] = speculative steps accepting n
     gated_off: bool = False  # the cost gate turned speculation off at least once
-    finish_reason: str | None = None  # 'eos' | 'length' | 'cancelled'
-    cancel_to_stop_ms: float | None = None  # set when a cancel is honoured; async layer may refine
+    finish_reason: str | None = None  # 'eos' | 'length' | 'stop' | 'cancelled' | 'error'
+    cancel_to_stop_ms: float | None = None  # a caller's cancel honoured; async layer may refine
     generated_tokens: int = 0
     total_ms: float = 0.0  # from start() to the finish
 

@@ -11,7 +11,6 @@ prompt pair (`voiceagent.bench_report`). Seeded sampling uses the same seed in e
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -24,52 +23,26 @@ from pathlib import Path
 
 import torch
 import transformers
-import yaml
 from transformers.generation.streamers import BaseStreamer
 
+from llm_engine import formats
 from llm_engine.config import SamplingConfig
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
 from llm_engine.proposers import proposer_names
 from llm_engine.sampling import is_greedy
-from voiceagent.bench_report import REFERENCE, RunRecord, render_markdown, summarise
-from voiceagent.config import REPO_ROOT, Config
+from voiceagent.bench_formats import format_section, render_formats
+from voiceagent.bench_report import (
+    FORMAT_MARK,
+    REFERENCE,
+    RunRecord,
+    render_markdown,
+    summarise,
+)
+from voiceagent.config import Config
+from voiceagent.prompt_sets import PromptSet, heldout_conversations, load_prompt_set, messages
 
-DEFAULT_PROMPTS = REPO_ROOT / "configs" / "prompts" / "engine_bench_v1.yaml"
 HF_MODES = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
-
-
-@dataclass
-class PromptSet:
-    version: int
-    system: str
-    segments: dict[str, list[str | list[dict]]]  # a user message, or a whole conversation
-    path: str
-    sha256: str
-
-
-def load_prompt_set(path: str | Path = DEFAULT_PROMPTS) -> PromptSet:
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"prompt set not found: {path}") from None
-    data = yaml.safe_load(raw) or {}
-    segments = data.get("segments")
-    if segments is None and isinstance(data.get("categories"), dict):
-        segments = _heldout_segments(data["categories"])
-    if not isinstance(segments, dict) or not all(
-        isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v)
-        for v in segments.values()
-    ):
-        raise ValueError(f"{path}: 'segments' must map segment names to lists of prompts")
-    return PromptSet(
-        version=int(data.get("version", 0)),
-        system=str(data.get("system") or ""),
-        segments={str(k): list(v) for k, v in segments.items()},
-        path=str(path),
-        sha256=hashlib.sha256(raw).hexdigest(),
-    )
 
 
 @dataclass
@@ -86,6 +59,10 @@ class BenchSettings:
     top_p: float = 1.0
     hf_lookup_tokens: int = 10  # HF's documented example value for prompt_lookup_num_tokens
     warmup_tokens: int = 8
+    # Weight formats to run every mode in; the engine's chosen one runs as plain mode names,
+    # the others as mode@format. Empty: the chosen format only.
+    formats: list[str] = dataclasses.field(default_factory=list)
+    quality: bool = False  # teacher-forced agreement of each format with fp32
 
     def sampling(self, temperature: float, max_new_tokens: int | None = None) -> SamplingConfig:
         return SamplingConfig(
@@ -186,10 +163,15 @@ def hf_runner(model, eos_ids: list[int], pad_id: int, **extra) -> Runner:
 
 
 def make_runners(
-    engine: SpeculativeEngine, settings: BenchSettings, hf_model=None, hf_draft=None
+    engine: SpeculativeEngine, settings: BenchSettings, hf_model=None, hf_draft=None,
+    other_formats: dict[str, SpeculativeEngine] | None = None,
 ) -> dict[str, Runner]:
-    """Mode name -> runner, engine modes first, in the order the settings list them."""
+    """Mode name -> runner, engine modes first, in the order the settings list them; then each
+    mode in each other format (mode@format)."""
     runners = {mode: engine_runner(engine, mode) for mode in settings.modes}
+    for fmt, other in (other_formats or {}).items():
+        runners.update({f"{mode}{FORMAT_MARK}{fmt}": engine_runner(other, mode)
+                        for mode in settings.modes})
     if settings.hf and hf_model is not None:
         eos = sorted(engine.eos_token_ids)
         pad = engine.tokenizer.pad_token_id if engine.tokenizer is not None else None
@@ -224,12 +206,13 @@ def run_bench(
     hf_model=None,
     hf_draft=None,
     progress: Callable[[str], None] = lambda msg: None,
+    other_formats: dict[str, SpeculativeEngine] | None = None,
 ) -> tuple[list[RunRecord], list[str]]:
     """Every mode on every prompt; returns the run records and the modes in report order."""
-    runners = make_runners(engine, settings, hf_model, hf_draft)
+    runners = make_runners(engine, settings, hf_model, hf_draft, other_formats)
     modes = list(runners)
     prompts = {
-        seg: [encode_chat(tokenizer, _messages(prompt_set.system, text)) for text in texts]
+        seg: [encode_chat(tokenizer, messages(prompt_set.system, text)) for text in texts]
         for seg, texts in select_prompts(prompt_set, settings).items()
     }
     first_prompt = next(iter(prompts.values()))[0]
@@ -262,24 +245,6 @@ def run_bench(
             + ", ".join(f"{r.mode} {r.n_tokens} tok {_rate(r.decode_tok_s)}" for r in done)
         )
     return records, modes
-
-
-def _heldout_segments(categories: dict) -> dict[str, list]:
-    """A draft-training prompt set (configs/prompts/distill_v1.yaml) is benchmarked on its
-    held-out items only: the ones the draft never trained on."""
-    segments = {}
-    for name, items in categories.items():
-        kept = [item.get("messages") or item["prompt"] for item in items
-                if isinstance(item, dict) and item.get("heldout")]
-        if kept:
-            segments[str(name)] = kept
-    return segments
-
-
-def _messages(system: str, prompt: str | list[dict]) -> list[dict[str, str]]:
-    head = [{"role": "system", "content": system}] if system else []
-    turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    return [*head, *turns]
 
 
 def _rate(value: float | None) -> str:
@@ -320,6 +285,7 @@ def build_report(
     card: dict | None = None,
     started: datetime | None = None,
     load_at_start: float | None = None,
+    formats: dict | None = None,
 ) -> dict:
     started = started or datetime.now(timezone.utc)
     machine = machine_info(engine.device)
@@ -336,6 +302,7 @@ def build_report(
         "pair_card": card,
         "machine": machine,
         "summary": summarise(records, modes),
+        "formats": formats or {},
         "runs": [dataclasses.asdict(r) for r in records],
     }
 
@@ -406,7 +373,23 @@ def settings_from_args(args, cfg: Config) -> BenchSettings:
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         hf_lookup_tokens=args.hf_lookup_tokens,
+        formats=_formats(args, cfg),
+        quality=args.quality,
     )
+
+
+def _formats(args, cfg: Config) -> list[str]:
+    """--formats, else fp32 and bf16 side by side on a CPU (the choice `auto` makes there)."""
+    if args.formats:
+        names = [f.strip() for f in args.formats.split(",") if f.strip()]
+        unknown = [f for f in names if f not in formats.FORMATS]
+        if unknown:
+            raise ValueError(f"unknown format(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(formats.FORMATS)}")
+        return names
+    on_cpu = cfg.engine.device == "cpu" or (
+        cfg.engine.device == "auto" and not torch.cuda.is_available())
+    return ["float32", "bfloat16"] if on_cpu and not args.quick else []
 
 
 def run_engine_bench(cfg: Config, args) -> int:
@@ -418,17 +401,36 @@ def run_engine_bench(cfg: Config, args) -> int:
     select_prompts(prompt_set, settings)  # refuse unknown segments before loading models
     started, load_at_start = datetime.now(timezone.utc), os.getloadavg()[0]
     runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=settings.modes)
+    chosen = runtime.target.dtype
+    others = {
+        fmt_name: build_runtime(dataclasses.replace(cfg.engine, format=fmt_name),
+                                cfg.paths.cache_dir, say, also=settings.modes)
+        for fmt_name in settings.formats if fmt_name != chosen
+    }
+    # HF generate() runs on the fp32 eager target: the reference a user starts from.
+    reference = runtime if chosen == "float32" else others.get("float32") or build_runtime(
+        dataclasses.replace(cfg.engine, format="float32"), cfg.paths.cache_dir, say,
+        also=settings.modes)
     records, modes = run_bench(
         runtime.engine, runtime.target.tokenizer, prompt_set, settings,
-        hf_model=runtime.target.model,
-        hf_draft=runtime.draft.model if runtime.draft else None,
+        hf_model=reference.target.model,
+        hf_draft=reference.draft.model if reference.draft else None,
         progress=say,
+        other_formats={name: rt.engine for name, rt in others.items()},
     )
+    quality = {}
+    if settings.quality:
+        texts = [encode_chat(runtime.target.tokenizer, m) for m in heldout_conversations()]
+        quality = {name: formats.agreement(reference.target.model, rt.target.model, texts)
+                   for name, rt in {chosen: runtime, **others}.items() if name != "float32"}
+    section = format_section(
+        {name: rt.engine.cost_model for name, rt in {chosen: runtime, **others}.items()},
+        chosen, runtime.engine.runner.name, runtime.formats, quality)
     report = build_report(
         records, modes, settings, prompt_set, runtime.engine, runtime.card.to_dict(), started,
-        load_at_start,
+        load_at_start, section,
     )
-    markdown = render_markdown(report["summary"], report_header(report))
+    markdown = render_markdown(report["summary"], report_header(report), render_formats(section))
     json_path, md_path = write_results(report, markdown, args.out)
     print(markdown)
     say(f"wrote {json_path} and {md_path}")

@@ -21,6 +21,17 @@ from itertools import pairwise
 from pathlib import Path
 
 REFERENCE = "off"  # the mode every ratio and the losslessness check compare against
+FORMAT_MARK = "@"  # "ngram@float32": a mode run in a format other than the engine's chosen one
+
+
+def reference_for(mode: str) -> str:
+    """The `off` a mode is compared with: the one in its own weight format."""
+    _, at, fmt = mode.partition(FORMAT_MARK)
+    return f"{REFERENCE}{FORMAT_MARK}{fmt}" if at else REFERENCE
+
+
+def is_reference(mode: str) -> bool:
+    return mode == reference_for(mode)
 # (faster mode, slower-or-equal baseline) pairs for ratio (c): our proposer against HF's.
 SAME_PROPOSER = (("ngram", "hf_prompt_lookup"), ("draft", "hf_assisted"))
 
@@ -161,16 +172,17 @@ def lossless_check(records: list[RunRecord]) -> dict[str, dict]:
     verification and our kernels may round differently and flip a near tie.
     """
     greedy = [r for r in records if r.temperature == 0]
-    ref = {r.key: r.token_ids for r in greedy if r.mode == REFERENCE}
+    ref = {(r.mode, r.key): r.token_ids for r in greedy if r.engine and is_reference(r.mode)}
     out: dict[str, dict] = {}
     for r in greedy:
-        if r.mode == REFERENCE or r.key not in ref:
+        base = (reference_for(r.mode), r.key)
+        if (r.engine and is_reference(r.mode)) or base not in ref:
             continue
         entry = out.setdefault(
             r.mode, {"checked": r.engine, "compared": 0, "mismatches": 0, "first_diff": []}
         )
         entry["compared"] += 1
-        diff = first_difference(r.token_ids, ref[r.key])
+        diff = first_difference(r.token_ids, ref[base])
         if diff is not None:
             entry["mismatches"] += 1
             entry["first_diff"].append(
@@ -196,7 +208,8 @@ def summarise_cell(runs: list[RunRecord], all_records: list[RunRecord]) -> dict:
         r for r in all_records if r.temperature == first.temperature and r.segment == first.segment
     ]
     engine_times = first.engine and steps > 0
-    pairs = paired_ratios(same_cell, first.mode, REFERENCE)
+    reference = reference_for(first.mode)
+    pairs = paired_ratios(same_cell, first.mode, reference)
     return {
         "temperature": first.temperature,
         "segment": first.segment,
@@ -208,7 +221,7 @@ def summarise_cell(runs: list[RunRecord], all_records: list[RunRecord]) -> dict:
         "e2e_tok_s": sum(r.n_tokens for r in runs) * 1000.0 / last_ms if last_ms > 0 else None,
         "ratio_vs_off": geomean(pairs),
         "ratio_vs_off_range": [min(pairs), max(pairs)] if pairs else None,
-        "e2e_ratio_vs_off": paired_geomean(same_cell, first.mode, REFERENCE, "e2e_tok_s"),
+        "e2e_ratio_vs_off": paired_geomean(same_cell, first.mode, reference, "e2e_tok_s"),
         "ttft_ms_p50": percentile([r.ttft_ms for r in runs if r.ttft_ms is not None], 50),
         "itl_ms_p50": percentile(itl, 50),
         "itl_ms_p95": percentile(itl, 95),
@@ -260,27 +273,40 @@ def ratios(
         out["all"] = paired_geomean(at_t, mode, base, metric)
         return out
 
-    a, c = {}, {}
+    a, c, d = {}, {}, {}
+    plain_modes = [m for m in modes if m.startswith(REFERENCE) and is_reference(m)]
     for t in temperatures:
         if "hf_plain" in modes:
             a[str(t)] = {
                 "decode": per_segment(t, REFERENCE, "hf_plain"),
                 "e2e": per_segment(t, REFERENCE, "hf_plain", "e2e_tok_s"),
+                "by_format": {m: per_segment(t, m, "hf_plain")["all"] for m in plain_modes},
             }
+        slowest = [
+            (value, mode, seg)
+            for mode in modes if not is_reference(mode) and not mode.startswith("hf_")
+            for seg, value in per_segment(t, mode, reference_for(mode)).items()
+            if value is not None and seg != "all"
+        ]
+        if slowest:
+            value, mode, seg = min(slowest)
+            d[str(t)] = {"ratio": value, "mode": mode, "segment": seg}
         c[str(t)] = {
             f"{ours}/{theirs}": per_segment(t, ours, theirs)
             for ours, theirs in SAME_PROPOSER
             if ours in modes and theirs in modes
         }
     b: dict = {}
-    speculative = [m for m in modes if m != REFERENCE and not m.startswith("hf_")]
+    speculative = [m for m in modes
+                   if m != REFERENCE and not m.startswith("hf_") and FORMAT_MARK not in m]
     if 0.0 in temperatures and speculative:
         by_mode = {m: per_segment(0.0, m, REFERENCE) for m in speculative}
         for seg in [*segments, "all"]:
             scored = {m: by_mode[m][seg] for m in speculative if by_mode[m][seg] is not None}
             best = max(scored, key=scored.get) if scored else None
             b[seg] = {"best_mode": best, "best": scored.get(best), "by_mode": scored}
-    return {"a_off_vs_hf_plain": a, "b_best_speculative_vs_off_t0": b, "c_vs_hf_same_proposer": c}
+    return {"a_off_vs_hf_plain": a, "b_best_speculative_vs_off_t0": b, "c_vs_hf_same_proposer": c,
+            "d_slowest_vs_own_off": d}
 
 
 # -- Markdown -----------------------------------------------------------------------------------
@@ -296,9 +322,9 @@ def _cell_row(c: dict) -> str:
         "–" if c["draft_ms_per_step"] is None
         else f"{c['draft_ms_per_step']:.1f} / {c['verify_ms_per_step']:.1f}"
     )
-    ratio = "1" if c["mode"] == REFERENCE else fmt(c["ratio_vs_off"], 2)
+    ratio = "1" if is_reference(c["mode"]) else fmt(c["ratio_vs_off"], 2)
     spread = c["ratio_vs_off_range"]
-    if c["mode"] != REFERENCE and spread and c["runs"] > 1:
+    if not is_reference(c["mode"]) and spread and c["runs"] > 1:
         ratio += f" ({spread[0]:.2f}–{spread[1]:.2f})"
     cols = [
         c["segment"], c["mode"], fmt(c["mean_tokens"], 0), fmt(c["decode_tok_s"]),
@@ -318,7 +344,8 @@ CELL_HEADER = (
 
 LEGEND = (
     "tok/s: decode rate after the first token; e2e includes the first token. "
-    "× off: geometric mean of per-prompt decode-rate ratios (their range in brackets). "
+    "× off: geometric mean of per-prompt decode-rate ratios (their range in brackets), against "
+    "the off of the mode's own format (mode@format: a format other than the chosen one). "
     "ITL in ms (tokens of one step count 0). "
     "tok/fwd: tokens per target forward pass, prefill included. "
     "acc/step: accepted drafts per speculative step. "
@@ -327,8 +354,9 @@ LEGEND = (
 )
 
 
-def render_markdown(summary: dict, header: list[str]) -> str:
-    """The report: one table per temperature, then ratios (a)(b)(c) and the losslessness check."""
+def render_markdown(summary: dict, header: list[str], extra: list[str] = ()) -> str:
+    """The report: one table per temperature, then ratios (a)-(d), the losslessness check and
+    `extra` sections."""
     lines = ["# Engine benchmark", "", *header, ""]
     temperatures = list(dict.fromkeys(c["temperature"] for c in summary["cells"]))
     for t in temperatures:
@@ -338,6 +366,7 @@ def render_markdown(summary: dict, header: list[str]) -> str:
     lines += [LEGEND, ""]
     lines += _ratio_lines(summary["ratios"])
     lines += _lossless_lines(summary["lossless"])
+    lines += extra
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -348,11 +377,18 @@ def _ratio_lines(r: dict) -> list[str]:
             f"(a) engine off ÷ HF generate() plain, T={float(t):g}: {_seg_list(entry['decode'])};"
             f" end to end, all prompts: {fmt(entry['e2e']['all'], 2)}"
         )
+        others = {m: v for m, v in entry.get("by_format", {}).items() if m != REFERENCE}
+        if others:
+            bullets.append(f"(a) each format's off ÷ HF generate() plain (fp32), T={float(t):g}: "
+                           + ", ".join(f"{m} {fmt(v, 2)}" for m, v in others.items()))
     b = r["b_best_speculative_vs_off_t0"]
     if b:
         bullets.append("(b) best speculative mode ÷ off, T=0: " + ", ".join(
             f"{seg} {fmt(v['best'], 2)} ({v['best_mode'] or '–'})" for seg, v in b.items()
         ))
+    for t, worst in r.get("d_slowest_vs_own_off", {}).items():
+        bullets.append(f"(d) slowest mode ÷ the off of its format, any segment, T={float(t):g}: "
+                       f"{fmt(worst['ratio'], 2)} ({worst['mode']}, {worst['segment']})")
     for t, pairs in r["c_vs_hf_same_proposer"].items():
         for pair, values in pairs.items():
             bullets.append(f"(c) {pair.replace('/', ' ÷ ')}, T={float(t):g}: {_seg_list(values)}")

@@ -8,6 +8,7 @@ import json
 import sys
 
 from llm_engine.prompts import encode_chat
+from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config
 from voiceagent.llm_setup import build_runtime
 
@@ -43,8 +44,7 @@ def summary(stats) -> str:
     return ", ".join(parts)
 
 
-async def _run(runtime, prompt_ids: list[int], stream: bool):
-    serving = runtime.serve()
+async def _run(serving: AsyncEngine, prompt_ids: list[int], stream: bool):
     try:
         handle = serving.submit(prompt_ids)
         async for delta in handle:
@@ -59,9 +59,11 @@ async def _run(runtime, prompt_ids: list[int], stream: bool):
 def run_chat(cfg: Config, args) -> int:
     cfg = apply_chat_flags(cfg, args)
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress goes to stderr
-    runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say)
+    # Loaded on the engine's own thread: torch work on two threads slows both.
+    serving, runtime = AsyncEngine.build(
+        lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, say))
     prompt_ids = encode_chat(runtime.target.tokenizer, [{"role": "user", "content": args.prompt}])
-    result = asyncio.run(_run(runtime, prompt_ids, stream=not args.json))
+    result = asyncio.run(_run(serving, prompt_ids, stream=not args.json))
     if args.json:
         print(json.dumps({
             "text": result.text,

@@ -7,6 +7,7 @@ import sys
 
 from llm_engine.contract import IncompatiblePairError
 from llm_engine.loading import ModelLoadError
+from llm_engine.proposers import proposer_names
 from voiceagent.config import ConfigError, load_config
 from voiceagent.models import ModelNotFound
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="generate one reply with the engine only (no audio)")
     _config_args(p)
     p.add_argument("prompt")
-    p.add_argument("--speculative", choices=["off", "ngram", "draft", "eagle"])
+    p.add_argument("--speculative", choices=proposer_names(), help="speculation method")
     p.add_argument("--draft", help="draft model name or path (implies --speculative draft)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--max-new-tokens", type=int)
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-lookup-tokens", type=int, default=10,
                    help="HF generate(prompt_lookup_num_tokens=N) (default: 10)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baselines")
+    p.add_argument("--formats", help="bench engine: weight formats to run every mode in, "
+                   "comma-separated (default on a CPU: float32,bfloat16)")
+    p.add_argument("--quality", action="store_true", help="bench engine: each format's "
+                   "teacher-forced top-1 agreement and log-prob difference against fp32")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
     p.add_argument("--out", default="results", help="results folder (default: results)")
@@ -124,7 +129,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from voiceagent.bench_call import run_call_bench
 
         return run_call_bench(load_config(args.config, args.overrides), args)
-    from voiceagent.bench_engine import DEFAULT_PROMPTS, run_engine_bench
+    from voiceagent.bench_engine import run_engine_bench
+    from voiceagent.prompt_sets import DEFAULT_PROMPTS
 
     args.prompts = args.prompts or str(DEFAULT_PROMPTS)
     return run_engine_bench(load_config(args.config, args.overrides), args)

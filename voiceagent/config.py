@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -118,7 +119,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Read a YAML config (the CPU default when None), apply `key=value` overrides, validate."""
     path = Path(path) if path else DEFAULT_CONFIG
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=YamlLoader) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except yaml.YAMLError as exc:
@@ -137,6 +138,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_describe(exc, source=str(path))) from None
 
 
+class YamlLoader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true and false, so `method: off` is the string "off"."""
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
 def apply_override(data: dict, item: str) -> None:
     """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, bools, lists)."""
     key, sep, raw = item.partition("=")
@@ -145,7 +158,7 @@ def apply_override(data: dict, item: str) -> None:
     parts = key.strip().split(".")
     _check_key_path(parts)
     try:
-        value = yaml.safe_load(raw)
+        value = yaml.load(raw, Loader=YamlLoader)
     except yaml.YAMLError:
         value = raw
     node = data

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from llm_engine.config import MODEL_METHODS
+from llm_engine.proposers import model_settings
 from voiceagent.config import Config
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
            lambda: llm("target", lambda: load_llm(engine.target, engine, cfg.paths.cache_dir,
                                                   quiet)), say)
     method = engine.speculation.method
-    if method in MODEL_METHODS and "target" in loaded:
+    if method in model_settings() and "target" in loaded:
         target = loaded["target"]
         load = (partial(load_draft, engine, target, cfg.paths.cache_dir, quiet)
                 if method == "draft" else partial(load_eagle, engine, target, quiet))
@@ -130,7 +130,7 @@ def _pair_card(report: Report, cfg: Config, loaded: dict, say: Callable[[str], N
     from voiceagent.llm_setup import resident_bytes
 
     target, draft = loaded["target"], loaded.get("draft")
-    if cfg.engine.speculation.method in MODEL_METHODS and draft is None:
+    if cfg.engine.speculation.method in model_settings() and draft is None:
         return  # the draft's own failure is already reported
     try:
         card = make_pair_card(target, draft, cfg.engine, resident_bytes(target, draft))

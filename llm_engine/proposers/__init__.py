@@ -7,6 +7,7 @@ from llm_engine.proposers.base import (
     ProposeContext,
     Proposer,
     make_proposer,
+    model_settings,
     proposer_names,
     register,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "ProposeContext",
     "Proposer",
     "make_proposer",
+    "model_settings",
     "proposer_names",
     "register",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
@@ -59,20 +59,31 @@ class ProposeContext:
     generator: torch.Generator  # the request's generator, so seeded runs reproduce
 
 
-class Proposer(Protocol):
+class Proposer:
+    """The interface, with the defaults of a stateless proposer; `@register` a subclass."""
+
+    # The engine setting that names the model it drafts with ("draft": engine.draft, "eagle":
+    # engine.eagle); None for a proposer without a model.
+    model_setting: ClassVar[str | None] = None
     # True when sampled drafts are drawn from ctx.generator and carry q (a draft model): they are
     # then verified by rejection sampling on the same generator, whose stream order depends on K.
     # False for deterministic drafts (q is None), verified with per-position noise instead.
-    samples_drafts: bool
+    samples_drafts: ClassVar[bool] = False
     # True when the proposer reads the target's last hidden states (EAGLE): the engine then calls
     # observe_target after every target forward.
-    uses_target_hidden: bool
+    uses_target_hidden: ClassVar[bool] = False
+
+    @classmethod
+    def create(cls, spec: SpeculationConfig, model: torch.nn.Module | None = None) -> Proposer:
+        """Build one for a request; `model` is the one named by `model_setting`."""
+        return cls()
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Start a request. State whose tokens are a prefix of the prompt may be kept."""
 
     def propose(self, ctx: ProposeContext) -> Draft:
         """Draft up to ctx.k tokens following ctx.token_ids."""
+        raise NotImplementedError
 
     def observe_target(self, token_ids: list[int], hidden: torch.Tensor) -> None:
         """Only when uses_target_hidden: the committed tokens after a target forward, and that
@@ -86,16 +97,14 @@ class Proposer(Protocol):
         """Free the proposer's memory (a draft KV cache)."""
 
 
-# create(spec, model): the method's model, when it has one (a draft LM, an EAGLE head).
-ProposerFactory = Callable[[SpeculationConfig, "torch.nn.Module | None"], Proposer]
-_REGISTRY: dict[str, ProposerFactory] = {}
+_REGISTRY: dict[str, type[Proposer]] = {}
 
 
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator: the class's `create(spec, model)` builds it under `name`."""
+def register(name: str) -> Callable[[type[Proposer]], type[Proposer]]:
+    """Class decorator: the proposer class is built by name through its `create`."""
 
-    def wrap(cls: type) -> type:
-        _REGISTRY[name] = cls.create
+    def wrap(cls: type[Proposer]) -> type[Proposer]:
+        _REGISTRY[name] = cls
         return cls
 
     return wrap
@@ -105,12 +114,18 @@ def proposer_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def model_settings() -> dict[str, str]:
+    """Methods that draft with a model, and the engine setting naming it."""
+    return {name: cls.model_setting for name, cls in sorted(_REGISTRY.items())
+            if cls.model_setting is not None}
+
+
 def make_proposer(
     name: str, spec: SpeculationConfig, model: torch.nn.Module | None = None
 ) -> Proposer:
     try:
-        factory = _REGISTRY[name]
+        cls = _REGISTRY[name]
     except KeyError:
         known = ", ".join(proposer_names())
         raise ValueError(f"unknown proposer {name!r}; known: {known}") from None
-    return factory(spec, model)
+    return cls.create(spec, model)

@@ -13,13 +13,13 @@ import torch
 
 from llm_engine import kv
 from llm_engine.config import SpeculationConfig
-from llm_engine.proposers.base import Draft, DraftBuilder, ProposeContext, register
+from llm_engine.proposers.base import Draft, DraftBuilder, ProposeContext, Proposer, register
 
 
 @register("draft")
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
+    model_setting = "draft"
     samples_drafts = True
-    uses_target_hidden = False
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

@@ -15,11 +15,12 @@ import torch
 from llm_engine import kv
 from llm_engine.config import SpeculationConfig
 from llm_engine.eagle_head import EagleHead
-from llm_engine.proposers.base import Draft, DraftBuilder, ProposeContext, register
+from llm_engine.proposers.base import Draft, DraftBuilder, ProposeContext, Proposer, register
 
 
 @register("eagle")
-class EagleProposer:
+class EagleProposer(Proposer):
+    model_setting = "eagle"
     samples_drafts = True
     uses_target_hidden = True
 
@@ -34,18 +35,32 @@ class EagleProposer:
             raise ValueError("speculation method 'eagle' needs an EAGLE head (engine.eagle)")
         return cls(model)
 
+    @property
+    def _features(self) -> torch.Tensor:
+        return self._buffer[: self._count]  # [positions, hidden]
+
     def begin(self, prompt_ids: list[int]) -> None:
         # Feature i depends on tokens 0..i; the head's cache entry i also on token i + 1.
         keep = kv.common_prefix_len(self._tokens, prompt_ids)
-        self._features = self._features[:keep]
+        self._count = min(self._count, keep)
         self._tokens = self._tokens[:keep]
         self._crop(min(self._fed, max(keep - 1, 0)))
 
     def observe_target(self, token_ids: list[int], hidden: torch.Tensor) -> None:
-        """hidden [r, hidden]: the target's features of the r positions before the last token."""
+        """hidden [r, hidden]: the target's features of the r positions before the last token.
+
+        Stored in a buffer that doubles when full: a plain step (and every step of a closed gate)
+        costs one row's copy, and the head catches up on them only when it drafts again.
+        """
         start = len(token_ids) - 1 - hidden.shape[0]
-        assert 0 <= start <= len(self._features), "a gap in the target's features"
-        self._features = torch.cat([self._features[:start], hidden.to(self._features.dtype)])
+        assert 0 <= start <= self._count, "a gap in the target's features"
+        end = start + hidden.shape[0]
+        if end > len(self._buffer):
+            grown = self._buffer.new_empty(max(end, 2 * len(self._buffer)), self._buffer.shape[1])
+            grown[:start] = self._buffer[:start]
+            self._buffer = grown
+        self._buffer[start:end] = hidden
+        self._count = end
         self._tokens = list(token_ids[:-1])
         self._crop(min(self._fed, start))
 
@@ -69,13 +84,11 @@ class EagleProposer:
         self._crop(self._fed)  # speculative positions: the target's features replace them
         return builder.build()
 
-    def update(self, num_accepted: int) -> None:
-        pass  # the accepted positions' true features arrive through observe_target
-
     def release(self) -> None:
         self.cache = kv.new_cache(self.head)
-        self._features = torch.empty(0, self.head.config.hidden_size, device=self.device,
-                                     dtype=next(self.head.parameters()).dtype)
+        self._buffer = torch.empty(256, self.head.config.hidden_size, device=self.device,
+                                   dtype=next(self.head.parameters()).dtype)
+        self._count = 0  # positions whose target features are in the buffer
         self._tokens: list[int] = []
         self._fed = 0  # positions whose head KV (from true features) is in self.cache
 

@@ -9,14 +9,11 @@ followed their most recent earlier occurrence are the draft. The longest n in
 from __future__ import annotations
 
 from llm_engine.config import SpeculationConfig
-from llm_engine.proposers.base import EMPTY_DRAFT, Draft, ProposeContext, register
+from llm_engine.proposers.base import EMPTY_DRAFT, Draft, ProposeContext, Proposer, register
 
 
 @register("ngram")
-class NgramProposer:
-    samples_drafts = False
-    uses_target_hidden = False
-
+class NgramProposer(Proposer):
     def __init__(self, ngram_min: int = 1, ngram_max: int = 3):
         assert 1 <= ngram_min <= ngram_max
         self.ngram_min = ngram_min
@@ -43,9 +40,6 @@ class NgramProposer:
             if end is not None:
                 return Draft(tokens[end : end + ctx.k])
         return EMPTY_DRAFT
-
-    def update(self, num_accepted: int) -> None:
-        pass  # nothing speculative is stored: the index only holds committed tokens
 
     def release(self) -> None:
         self._tokens = []

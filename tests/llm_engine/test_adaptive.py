@@ -1,8 +1,9 @@
-"""The draft-length controller and the cost gate."""
+"""The cost model, the draft-length controller and the cost gate."""
 
 from __future__ import annotations
 
-from llm_engine.adaptive import AdaptiveK, CostGate, PlainStepCost, fill_rows
+from llm_engine.adaptive import CostGate, DraftLength, PlainStepCost
+from llm_engine.cost_model import CostModel, CostModelCache, DraftCost, expected_tokens
 
 
 def calibrated(ms: float) -> PlainStepCost:
@@ -11,80 +12,99 @@ def calibrated(ms: float) -> PlainStepCost:
     return plain
 
 
-# -- AdaptiveK ------------------------------------------------------------------------------------
+# -- CostModel -------------------------------------------------------------------------------------
+
+# A CPU-like verify curve: 3 rows cost more than 4 (row blocks), 8 rows ~1.2 plain steps.
+CPU_CURVE = [50.0, 70.0, 90.0, 60.0, 66.0, 68.0, 70.0, 60.0, 75.0, 80.0, 85.0, 70.0]
 
 
-def test_k_grows_while_everything_is_accepted_up_to_max():
-    control = AdaptiveK(k=2, min_k=1, max_k=5)
-    for _ in range(20):
-        control.observe(drafted=control.k, accepted=control.k)
-    assert control.k == 5
+def costs(curve=CPU_CURVE, draft=None) -> CostModel:
+    return CostModel(list(curve), context=256, draft=draft or {})
 
 
-def test_k_shrinks_while_nothing_is_accepted_down_to_min():
-    control = AdaptiveK(k=6, min_k=2, max_k=8)
-    for _ in range(20):
-        control.observe(drafted=control.k, accepted=0)
-    assert control.k == 2
+def test_expected_tokens_is_the_accepted_prefix_plus_one():
+    assert expected_tokens(0, 0.5) == 1.0
+    assert expected_tokens(3, 1.0) == 4.0
+    assert expected_tokens(2, 0.5) == 1.75
 
 
-def test_k_does_not_move_on_a_single_step():
-    control = AdaptiveK(k=4, min_k=1, max_k=8, patience=2)
-    control.observe(drafted=4, accepted=0)
-    assert control.k == 4
+def test_rows_pad_up_to_a_clearly_cheaper_row_count():
+    model = costs()
+    assert [model.rows(n) for n in (1, 2, 3, 4, 5, 8, 12)] == [1, 4, 4, 4, 8, 8, 12]
 
 
-def test_k_does_not_flap_between_good_and_bad_steps():
-    control = AdaptiveK(k=4, min_k=1, max_k=8)
-    history = []
-    for i in range(20):
-        control.observe(drafted=4, accepted=3 if i % 2 else 2)
-        history.append(control.k)
-    assert history == [4] * 20  # the EMA stays in the dead band between the thresholds
+def test_rows_do_not_pad_on_a_flat_curve():
+    model = costs([10.0, 10.0, 10.2, 10.1])
+    assert [model.rows(n) for n in range(1, 5)] == [1, 2, 3, 4]
 
 
-def test_a_fully_accepted_draft_doubles_k_up_to_max():
-    control = AdaptiveK(k=4, min_k=1, max_k=10)
-    control.observe(drafted=4, accepted=4)
-    assert control.k == 8  # one step, no patience: a read-back has started
-    control.observe(drafted=8, accepted=8)
-    assert control.k == 10
+def test_best_k_is_zero_when_nothing_is_accepted():
+    assert costs().best_k("ngram", 0.0, max_k=11) == 0
 
 
-def test_a_short_fully_accepted_draft_sets_k_to_twice_its_length_never_less():
-    control = AdaptiveK(k=6, min_k=1, max_k=10)
-    control.observe(drafted=2, accepted=2)  # the n-gram's continuation ran out after 2 tokens
-    assert control.k == 6
-    control = AdaptiveK(k=2, min_k=1, max_k=10)
-    control.observe(drafted=2, accepted=2)  # a re-probe capped at 2 tokens
-    assert control.k == 4
+def test_best_k_is_the_longest_draft_on_a_read_back():
+    assert costs().best_k("ngram", 1.0, max_k=11) == 11
 
 
-def test_k_halves_after_patience_steps_of_low_acceptance():
-    control = AdaptiveK(k=10, min_k=1, max_k=10, patience=2)
-    control.observe(drafted=10, accepted=0)
-    assert control.k == 10
-    control.observe(drafted=10, accepted=1)
-    assert control.k == 5
+def test_best_k_fills_a_whole_row_block_at_moderate_acceptance():
+    # 8 rows cost 60 ms, as 4 do: 7 drafts at a = 0.5 commit 1.99 tokens against 1.875 for 3.
+    assert costs().best_k("ngram", 0.5, max_k=11) == 7
 
 
-def test_disabled_controller_keeps_k():
-    control = AdaptiveK(k=4, min_k=1, max_k=8, enabled=False)
-    for _ in range(10):
-        control.observe(drafted=4, accepted=0)
-    assert control.k == 4
+def test_drafting_cost_shortens_the_best_draft():
+    cheap = costs([50.0] * 12)  # verifying is free: only drafting costs
+    slow = costs([50.0] * 12, {"draft": DraftCost(0.0, 20.0)})
+    assert cheap.best_k("draft", 0.6, 11) == 11
+    assert 0 < slow.best_k("draft", 0.6, 11) < 4
 
 
-def test_steps_without_a_draft_do_not_count():
-    control = AdaptiveK(k=4, min_k=1, max_k=8)
-    for _ in range(10):
-        control.observe(drafted=0, accepted=0)
-    assert control.k == 4 and control.acceptance is None
+def test_predicted_speedup_is_one_when_plain_wins():
+    assert costs().speedup("ngram", 0.0, 11) == 1.0
+    assert costs().speedup("ngram", 1.0, 11) > 2.0
 
 
-def test_fill_rows_rounds_the_verified_rows_up_to_the_multiple():
-    assert [fill_rows(k, 4) for k in range(12)] == [0, 3, 3, 3, 7, 7, 7, 7, 11, 11, 11, 11]
-    assert [fill_rows(k, 1) for k in range(5)] == [0, 1, 2, 3, 4]
+def test_cost_model_round_trips_through_its_cache(tmp_path):
+    store = CostModelCache(tmp_path)
+    model = costs(draft={"draft": DraftCost(1.0, 2.5)})
+    model.key = {"processor": "x", "format": "bfloat16"}
+    store.save(model)
+    assert store.load(dict(model.key)) == model
+    assert store.load({"processor": "y", "format": "bfloat16"}) is None
+
+
+# -- DraftLength ---------------------------------------------------------------------------------
+
+
+def test_k_is_the_configured_one_until_acceptance_is_measured():
+    assert DraftLength(costs(), "ngram", k=4, min_k=1, max_k=11).k == 4
+
+
+def test_k_climbs_to_max_after_a_fully_accepted_draft():
+    length = DraftLength(costs(), "ngram", k=4, min_k=1, max_k=11)
+    length.observe(drafted=4, accepted=4)
+    assert length.k == 11 and length.pays
+
+
+def test_k_falls_and_speculation_stops_paying_when_nothing_is_accepted():
+    length = DraftLength(costs(), "ngram", k=4, min_k=1, max_k=11)
+    for _ in range(3):
+        length.observe(drafted=4, accepted=0)
+    assert length.k == 1  # never below min_k: the gate, not K, turns speculation off
+    assert not length.pays
+
+
+def test_acceptance_counts_the_first_miss_only():
+    length = DraftLength(costs(), "ngram", k=4, min_k=1, max_k=11, decay=1.0)
+    length.observe(drafted=4, accepted=2)  # 2 accepted, the third rejected, the fourth unjudged
+    assert length.acceptance == 2 / 3
+    length.observe(drafted=0, accepted=0)  # a plain step says nothing
+    assert length.acceptance == 2 / 3
+
+
+def test_disabled_draft_length_keeps_k():
+    length = DraftLength(costs(), "ngram", k=4, min_k=1, max_k=11, enabled=False)
+    length.observe(drafted=4, accepted=0)
+    assert length.k == 4
 
 
 # -- PlainStepCost --------------------------------------------------------------------------------
@@ -187,3 +207,15 @@ def test_disabled_gate_always_allows():
     gate = CostGate(PlainStepCost(), enabled=False, min_steps=1)
     gate.observe(drafted=4, committed=1, ms=1000.0)
     assert gate.limit(4) == 4
+
+
+def test_gate_closes_when_the_cost_model_says_plain_wins():
+    gate = CostGate(calibrated(10.0))
+    for _ in range(2):
+        gate.observe(drafted=2, committed=2, ms=12.0, pays=False)  # timings alone would pass
+    assert gate.limit(4) == 0
+
+
+def test_plain_cost_starts_from_the_cost_model():
+    plain = PlainStepCost(initial_ms=42.0)
+    assert plain.ready and plain.ms == 42.0

@@ -135,3 +135,44 @@ def test_seeded_sampling_with_eagle_is_reproducible(target, tokenizer, head):
 def test_eagle_method_without_a_head_fails_at_construction(target, tokenizer):
     with pytest.raises(ValueError, match="EAGLE head"):
         make_engine(target, tokenizer, "eagle")
+
+
+def _head_calls(head) -> tuple[list[int], object]:
+    """Positions fed per call of the head's forward, and the hook to remove."""
+    fed: list[int] = []
+    hook = head.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    return fed, hook
+
+
+def test_a_closed_gate_never_runs_the_head(target, tokenizer, head):
+    engine = make_engine(target, tokenizer, "eagle", eagle=head, gate_reprobe_steps=1000)
+    fed, hook = _head_calls(head)
+    try:
+        state = engine.start(random_prompts(len(tokenizer), 1, seed=8)[0])
+        while not state.finished and state.gate.open:
+            engine.step(state)
+        calls_while_open = len(fed)
+        while not state.finished:
+            engine.step(state)
+    finally:
+        hook.remove()
+    assert state.gate.closed_count == 1  # a random head never pays
+    assert len(fed) == calls_while_open  # not one head call after it closed
+    assert all(s.drafted == 0 for s in state.stats.steps[-5:])
+    engine.release(state)
+
+
+def test_a_reopened_gate_catches_the_head_up_in_one_call_and_stays_lossless(
+        target, tokenizer, head):
+    engine = make_engine(target, tokenizer, "eagle", eagle=head, gate_reprobe_steps=4,
+                         gate_probe_draft_tokens=1)
+    prompt = random_prompts(len(tokenizer), 1, seed=9)[0]
+    fed, hook = _head_calls(head)
+    try:
+        tokens, state = run(engine, prompt)
+    finally:
+        hook.remove()
+    assert tokens == hf_greedy(target, prompt, NEW_TOKENS)
+    assert state.gate.closed_count >= 1
+    # The probe after four plain steps feeds the head the five positions it has not seen.
+    assert max(fed[1:]) >= 5

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.cost_model import CostModel
 from llm_engine.engine import SpeculativeEngine
+from llm_engine.runner import EagerRunner
 
 NEW_TOKENS = 24
 NUM_PROMPTS = 50
@@ -29,10 +31,12 @@ def hf_greedy(model, prompt: list[int], new_tokens: int, eos=2) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def make_engine(target, tokenizer, method="off", draft=None, sampling=None, eagle=None, **spec):
+def make_engine(target, tokenizer, method="off", draft=None, sampling=None, eagle=None,
+                chunk=256, **spec):
     config = EngineConfig(
         speculation=SpeculationConfig(method=method, **spec),
         sampling=sampling or SamplingConfig(max_new_tokens=NEW_TOKENS),
+        prefill_chunk=chunk,
     )
     return SpeculativeEngine(target, tokenizer, config, draft_model=draft, eagle_head=eagle)
 
@@ -113,18 +117,32 @@ def test_target_as_its_own_draft_accepts_all_and_commits_k_plus_1(target, tokeni
     assert checked >= 3
 
 
-def test_drafts_fill_whole_row_blocks(target, tokenizer, prompts, reference):
-    engine = make_engine(
-        target, tokenizer, "draft", target, gate=False, verify_row_multiple=4, max_draft_tokens=11
-    )
+class RowCountingRunner(EagerRunner):
+    """The eager runner, noting how many rows each forward ran."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.rows: list[int] = []
+
+    def forward(self, cache, input_ids, last_only=False):
+        self.rows.append(input_ids.shape[1])
+        return super().forward(cache, input_ids, last_only)
+
+
+def test_a_short_draft_is_padded_to_a_cheaper_row_count_without_changing_the_output(
+        target, tokenizer, prompts, reference):
+    runner = RowCountingRunner(target)
+    costs = CostModel([10.0, 30.0, 30.0, 12.0, 14.0], context=64)  # 4 rows: nearly one
+    engine = SpeculativeEngine(
+        target, tokenizer,
+        EngineConfig(speculation=SpeculationConfig(method="draft", num_draft_tokens=1,
+                                                    adaptive=False, gate=False),
+                     sampling=SamplingConfig(max_new_tokens=NEW_TOKENS)),
+        draft_model=target, runner=runner, cost_model=costs)
     tokens, state = run(engine, prompts[0])
     assert tokens == reference[0]
-    budget_left = [
-        NEW_TOKENS - sum(s.committed for s in state.stats.steps[:i]) - 1
-        for i in range(len(state.stats.steps))
-    ]  # the first token came from prefill
-    for step, left in zip(state.stats.steps, budget_left, strict=True):
-        assert step.k in (3, 7, 11) or step.k == left - 1  # 4, 8, 12 rows, or cut by the budget
+    assert [s.k for s in state.stats.steps][:3] == [1, 1, 1]
+    assert runner.rows[1:4] == [4, 4, 4]  # after the prefill: 2 rows padded to 4
 
 
 # -- stopping -------------------------------------------------------------------------------------
@@ -214,6 +232,28 @@ def test_cancel_before_prefill_does_no_work(target, tokenizer, prompts):
     state.cancel()
     assert engine.step(state) == []
     assert state.finish_reason == "cancelled" and state.stats.prefill_tokens == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_with_the_same_output(target, tokenizer):
+    prompt = [5 + (i * 7) % 300 for i in range(50)]
+    engine = make_engine(target, tokenizer, "ngram", chunk=16)
+    state = engine.start(prompt)
+    assert [engine.step(state) for _ in range(3)] == [[], [], []]  # 16 + 16 + 16 tokens
+    assert state.stats.prefill_tokens == 48 and not state.prefilled
+    first = engine.step(state)  # the last 2 tokens, then the first new token
+    assert len(first) == 1 and state.prefilled and state.stats.prefill_tokens == 50
+    while not state.finished:
+        first += engine.step(state)
+    assert first == run(make_engine(target, tokenizer, "ngram"), prompt)[0]
+
+
+def test_a_cancel_during_a_chunked_prefill_stops_at_the_next_chunk(target, tokenizer):
+    engine = make_engine(target, tokenizer, chunk=8)
+    state = engine.start(list(range(5, 45)))
+    engine.step(state)
+    state.cancel()
+    assert engine.step(state) == []
+    assert state.finish_reason == "cancelled" and state.stats.prefill_tokens == 8
 
 
 # -- prefix reuse ---------------------------------------------------------------------------------

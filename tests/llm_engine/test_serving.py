@@ -1,10 +1,12 @@
 import asyncio
+import threading
 
 import pytest
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.serving import AsyncEngine
+from tests.llm_engine.tiny_models import break_forward, make_model
 
 
 def _config(method: str = "ngram", max_new: int = 24) -> EngineConfig:
@@ -111,15 +113,26 @@ async def test_requests_are_served_round_robin(target, tokenizer):
         engine.close()
 
 
-async def test_stop_string_ends_the_request_without_emitting_it(serving, tokenizer):
+async def _free_and_stopped(serving, tokenizer):
+    """A free run, then the same prompt stopped by a string from the middle of its text."""
     prompt = _prompt(tokenizer, "Hello, how can I help")
     free = await serving.generate(prompt)
     assert len(free.text) > 6
-    stop = free.text[3:6]
-    sampling = SamplingConfig(max_new_tokens=24, stop=[stop])
-    stopped = await serving.generate(prompt, sampling=sampling)
+    sampling = SamplingConfig(max_new_tokens=24, stop=[free.text[3:6]])
+    return free, await serving.generate(prompt, sampling=sampling)
+
+
+async def test_stop_string_ends_the_request_without_emitting_it(serving, tokenizer):
+    free, stopped = await _free_and_stopped(serving, tokenizer)
     assert stopped.finish_reason == "stop"
-    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stopped.text == free.text[: free.text.index(free.text[3:6])]
+
+
+async def test_a_stop_string_is_counted_as_stop_not_as_a_cancel(serving, tokenizer):
+    free, stopped = await _free_and_stopped(serving, tokenizer)
+    assert stopped.stats.finish_reason == "stop"
+    assert stopped.stats.cancel_to_stop_ms is None  # no caller cancelled anything
+    assert serving.engine.totals.finish_reasons == {free.finish_reason: 1, "stop": 1}
 
 
 async def test_close_cancels_in_flight_requests(target, tokenizer):
@@ -146,3 +159,69 @@ async def test_a_discarded_request_leaves_its_prefix_kv_to_the_next_one(serving,
     stats = (await second.result()).stats
     assert stats.reused_prefix_tokens == len(spoken)
     assert stats.prefill_tokens == len(whole) - len(spoken)
+
+
+def _breaking(tokenizer, exc: BaseException, go: threading.Event) -> AsyncEngine:
+    model = make_model(len(tokenizer))
+    engine = SpeculativeEngine(model, tokenizer, _config("off"))
+    break_forward(model, exc, go)
+    return AsyncEngine(engine)
+
+
+async def test_a_failed_step_is_counted_as_error_not_as_a_cancel(tokenizer):
+    go = threading.Event()
+    go.set()
+    serving = _breaking(tokenizer, RuntimeError("out of memory"), go)
+    try:
+        result = await asyncio.wait_for(serving.generate(_prompt(tokenizer, "Hello")), 5)
+        assert result.finish_reason == result.stats.finish_reason == "error"
+        assert "out of memory" in result.error
+        assert serving.engine.totals.finish_reasons == {"error": 1}
+        assert serving.worker_alive  # one bad request does not take the worker down
+    finally:
+        serving.close()
+
+
+async def test_a_dead_worker_fails_its_requests_and_refuses_new_ones(tokenizer):
+    # SystemExit (a library calling sys.exit() mid-forward) is what no `except Exception` catches.
+    go = threading.Event()
+    serving = _breaking(tokenizer, SystemExit("exit called mid-forward"), go)
+    try:
+        assert serving.worker_alive and serving.worker_error is None
+        held = [serving.submit(_prompt(tokenizer, p)) for p in ("Hello", "The moon")]
+        go.set()  # both are in the worker's hands when it dies
+        results = await asyncio.wait_for(asyncio.gather(*(h.result() for h in held)), 5)
+        assert [r.finish_reason for r in results] == ["error", "error"]
+        assert all("worker died: SystemExit: exit called mid-forward" in r.error for r in results)
+        assert not serving.worker_alive and "SystemExit" in serving.worker_error
+        with pytest.raises(RuntimeError, match="worker died: SystemExit"):
+            serving.submit(_prompt(tokenizer, "Hello"))
+        assert serving.engine.totals.finish_reasons == {"error": 2}
+    finally:
+        serving.close()
+
+
+async def test_build_loads_the_engine_on_the_thread_that_then_serves_it(target, tokenizer):
+    threads = []
+
+    class Built:
+        def __init__(self):
+            threads.append(threading.current_thread())
+            self.engine = SpeculativeEngine(target, tokenizer, _config())
+
+    serving, built = AsyncEngine.build(Built, name="llm-test")
+    try:
+        assert serving.engine is built.engine
+        assert threads == [serving._thread] and threads[0].name == "llm-test"
+        result = await serving.generate(_prompt(tokenizer, "Hello"))
+        assert result.finish_reason in ("eos", "length")
+    finally:
+        serving.close()
+
+
+def test_a_build_that_fails_raises_its_error_and_serves_nothing():
+    def fail():
+        raise OSError("weights not found")
+
+    with pytest.raises(OSError, match="weights not found"):
+        AsyncEngine.build(fail)

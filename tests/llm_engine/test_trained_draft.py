@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.contract import IncompatiblePairError
@@ -43,8 +44,8 @@ def draft(smollm2, method):
 
 def _run(smollm2, draft, method: str, prompt: str, sampling: SamplingConfig, **spec) -> list:
     config = EngineConfig(speculation=SpeculationConfig(method=method, **spec), sampling=sampling)
-    engine = SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, draft_model=draft,
-                               eagle_head=draft)
+    models = {"draft_model" if isinstance(draft, PreTrainedModel) else "eagle_head": draft}
+    engine = SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, **models)
     state = engine.start(encode_chat(smollm2.tokenizer, [{"role": "user", "content": prompt}]))
     while not state.finished:
         engine.step(state)

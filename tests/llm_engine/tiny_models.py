@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -65,3 +67,15 @@ def make_model(
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     return model
+
+
+def break_forward(model: torch.nn.Module, exc: BaseException, go: threading.Event) -> None:
+    """Every later forward of `model` waits for `go`, then raises `exc`: the test decides when
+    the engine meets the failure (break it after building the engine, which may run a forward).
+    The decoder fails, not the whole model: the engine may run it without the model's forward."""
+
+    def fail(_module, _args):
+        go.wait(30)
+        raise exc
+
+    model.get_decoder().register_forward_pre_hook(fail)

@@ -15,9 +15,7 @@ from llm_engine.engine import SpeculativeEngine
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
 from voiceagent.bench_engine import (
     BenchSettings,
-    PromptSet,
     build_report,
-    load_prompt_set,
     report_header,
     run_bench,
     settings_from_args,
@@ -35,6 +33,7 @@ from voiceagent.bench_report import (
 )
 from voiceagent.cli import main
 from voiceagent.config import REPO_ROOT, load_config
+from voiceagent.prompt_sets import PromptSet, load_prompt_set
 
 
 def record(mode="off", times=(100.0, 150.0, 200.0), tokens=None, prompt=0, segment="s",
@@ -162,7 +161,8 @@ def test_markdown_has_one_table_per_temperature_and_the_ratios():
 
 def bench_args(**kw):
     base = dict(modes=None, temperatures=None, max_new_tokens=None, repeats=1, segments=None,
-                seed=0, hf_lookup_tokens=10, no_hf=False, quick=False)
+                seed=0, hf_lookup_tokens=10, no_hf=False, quick=False, formats=None,
+                quality=False)
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -35,7 +35,7 @@ def test_wrong_type_is_refused():
 
 
 def test_bad_choice_lists_the_valid_choices():
-    with pytest.raises(ConfigError, match="'off', 'ngram', 'draft' or 'eagle'"):
+    with pytest.raises(ConfigError, match="method 'medusa'; known: draft, eagle, ngram, off"):
         load_config(None, ["engine.speculation.method=medusa"])
 
 
@@ -59,3 +59,12 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path):
 def test_token_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("VOICEAGENT_TOKEN", "s3cret")
     assert load_config().server.token == "s3cret"
+
+
+def test_off_means_the_method_named_off_not_false(tmp_path: Path):
+    cfg = load_config(None, ["engine.speculation.method=off"])
+    assert cfg.engine.speculation.method == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  speculation:\n    method: off\n    gate: false\n")
+    cfg = load_config(path)
+    assert cfg.engine.speculation.method == "off" and cfg.engine.speculation.gate is False

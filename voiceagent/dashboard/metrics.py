@@ -18,7 +18,8 @@ ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 
 
 class TurnMetrics:
-    def __init__(self, active_calls: Callable[[], int], resident_bytes: Callable[[], float]):
+    def __init__(self, active_calls: Callable[[], int], resident_bytes: Callable[[], float],
+                 engine_worker_up: Callable[[], float]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.turn_end_to_first_audio = Histogram(
@@ -55,6 +56,9 @@ class TurnMetrics:
               registry=r).set_function(active_calls)
         Gauge("voiceagent_engine_resident_bytes", "Memory held by the LLM pair",
               registry=r).set_function(resident_bytes)
+        Gauge("voiceagent_engine_worker_up",
+              "1 while the LLM engine's worker thread runs; 0 before the models load, or dead",
+              registry=r).set_function(engine_worker_up)
 
     def write(self, record: TurnRecord) -> None:
         engine = record.engine or {}

@@ -62,7 +62,8 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     """Load the LLM (with the drafts of the methods in `also`, for a benchmark) and start its
     engine thread; warm the per-process ASR, TTS and VAD models so the first call does not pay
     their load."""
-    llm = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
+    engine, llm = AsyncEngine.build(
+        lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also))
     asr = resolve(cfg.asr.model, "asr")
     progress(f"loading ASR {cfg.asr.model} ...")
     shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type, cfg.asr.cpu_threads)
@@ -72,7 +73,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     make_vad(cfg.vad)  # loads the shared Silero session
     if cfg.turn.stop == "smart_turn":
         shared_smart_turn_session()
-    return SharedModels(llm=llm, engine=llm.serve())
+    return SharedModels(llm=llm, engine=engine)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The `serve` ASGI app: one FastAPI app for browser calls, phone calls and health.
 
 Models load once, on a background thread, while the server already answers: `/healthz` says 503
-until they are ready, and calls that arrive before then are refused with that reason.
+until they are ready, and calls that arrive before then are refused with that reason. It says 503
+again, with the error, if the LLM engine's worker thread dies: no call could be answered.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz():
+        if state.engine_down:
+            return JSONResponse({"status": "unhealthy", "error": state.engine_down}, 503)
         if state.ready:
             return {"status": "ready", "calls": len(state.calls.active),
                     "max_calls": state.calls.max_calls}

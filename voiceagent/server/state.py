@@ -38,6 +38,14 @@ class ServerState:
     def ready(self) -> bool:
         return self.shared is not None
 
+    @property
+    def engine_down(self) -> str | None:
+        """Why the LLM engine's worker thread no longer runs; None while it does (or loads)."""
+        engine = self.shared.engine if self.shared else None
+        if engine is None or engine.worker_alive:
+            return None
+        return engine.worker_error or "LLM engine worker stopped"
+
     def on_call(self, event: str, call: ActiveCall) -> None:
         """CallRegistry listener: calls into the store and the live events; failures counted."""
         if event == "failed":
@@ -65,7 +73,11 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
         llm = state.shared.llm if state.shared else None
         return float(resident_bytes(llm.target, llm.draft, llm.eagle)) if llm else 0.0
 
-    metrics = TurnMetrics(active_calls=lambda: len(calls.active), resident_bytes=resident)
+    def worker_up() -> float:
+        return float(state.shared is not None and state.engine_down is None)
+
+    metrics = TurnMetrics(active_calls=lambda: len(calls.active), resident_bytes=resident,
+                          engine_worker_up=worker_up)
     state = ServerState(cfg, calls, store, events, metrics,
                         TurnRecords([store, events, metrics]), shared=shared)
     calls.listeners.append(state.on_call)
