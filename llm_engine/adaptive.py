@@ -3,8 +3,9 @@
 Neither changes what is generated, only how many tokens are drafted per step: verification is
 lossless for any K, including K = 0 (plain decoding), and for drafts without q (n-gram, plain
 steps) even a seeded sampled request gets the same tokens whatever K is (`llm_engine.verify`).
-Only a seeded request with a sampling draft model runs without the gate: its random stream is
-drawn in step order, so a timing-driven K schedule would change its tokens between runs.
+Only a seeded request with a sampling draft model runs without the gate and with a fixed K: its
+random stream is drawn in step order, so a K schedule driven by timings (or by a measured cost
+model, which differs between machines) would change its tokens between runs.
 
 - DraftLength: K is the cost model's best draft length (`llm_engine.cost_model`) for the
   acceptance measured so far in this request: per drafted token, accepted / tried, with older

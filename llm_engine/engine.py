@@ -168,9 +168,10 @@ class SpeculativeEngine:
             # The seed itself when there is one; else the generator's fresh random seed.
             noise_seed=generator.initial_seed(),
             proposer=proposer,
+            # A timing-free request's K must not follow a measurement either: it keeps K fixed.
             draft_length=DraftLength(
-                self.cost_model, method, spec.num_draft_tokens, spec.min_draft_tokens,
-                spec.max_draft_tokens, spec.adaptive,
+                None if timing_free else self.cost_model, method, spec.num_draft_tokens,
+                spec.min_draft_tokens, spec.max_draft_tokens, spec.adaptive,
             ),
             gate=CostGate(
                 self.plain_cost,

@@ -137,17 +137,19 @@ def load_causal_lm(
     folder, gguf = _locate(source)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     sha, from_cache, revision = None, False, None
+    # Straight onto the GPU: an 8B model never passes through host memory as a whole.
+    placement = {"device_map": str(dev)} if dev.type == "cuda" else {}
     try:
         if gguf is not None:
             sha = file_sha256(folder / gguf, cache)
             load_dir, from_cache = _dequantised_folder(folder, gguf, sha, cache, progress)
             tokenizer = AutoTokenizer.from_pretrained(load_dir)
-            model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch_dtype, **placement)
         else:
             where = str(folder) if folder else source
             progress(f"loading {where} ({torch_dtype}, {dev})")
             tokenizer = AutoTokenizer.from_pretrained(where)
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **placement)
             revision = getattr(model.config, "_commit_hash", None) if folder is None else None
     except ModelLoadError:
         raise

@@ -49,9 +49,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from llm_engine import kv  # noqa: E402
+from llm_engine.compiled_runner import CompiledRunner  # noqa: E402
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig  # noqa: E402
 from llm_engine.engine import SpeculativeEngine  # noqa: E402
 from llm_engine.loading import load_causal_lm, model_bytes  # noqa: E402
+from llm_engine.runner import TargetRunner  # noqa: E402
 
 SKIPPED = "no CUDA: skipped"
 GGUF_CACHE = "~/.cache/voiceagent"  # de-quantised GGUF weights: the application's default place
@@ -315,8 +317,8 @@ MODES = (
 )
 
 
-def make_engines(target, draft, specs: list[ModeSpec],
-                 max_context: int) -> dict[ModeSpec, SpeculativeEngine]:
+def make_engines(target, draft, specs: list[ModeSpec], max_context: int,
+                 runner: TargetRunner | None = None) -> dict[ModeSpec, SpeculativeEngine]:
     """An engine per (drafting model, gate), shared by the modes that need no other: each
     request names its method, and an engine measures its costs when built (seconds at 8B)."""
     built: dict[tuple[str | None, bool], SpeculativeEngine] = {}
@@ -332,7 +334,7 @@ def make_engines(target, draft, specs: list[ModeSpec],
             model = {"draft": draft, "target": target}.get(which)
             # No tokenizer: the bench feeds token ids. No EOS: every mode makes the same count.
             built[key] = SpeculativeEngine(target, None, config, draft_model=model,
-                                           eos_token_ids=set())
+                                           eos_token_ids=set(), runner=runner)
         engines[spec] = built[key]
     return engines
 
@@ -499,6 +501,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, help="tokens per request (default 128; tiny 32)")
     p.add_argument("--repeats", type=int, help="timed runs per mode (default 2; tiny 1)")
     p.add_argument("--out", help="results folder (default $OUT, else results/)")
+    p.add_argument("--runner", choices=["eager", "compiled"], default="eager",
+                   help="the target runner: compiled = static cache + CUDA graphs (compiling "
+                   "takes minutes at 8B; default eager)")
     args = p.parse_args(argv)
     if args.draft and not args.target:
         p.error("--draft needs --target: a real draft against a random target means nothing")
@@ -546,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     half = args.prompt_tokens // 2
     prefix = prompt_prefix(half, tokenizer, [m for m in (target, draft) if m is not None])
     specs = [s for s in MODES if s.draft != "draft" or draft is not None]
-    engines = make_engines(target, draft, specs, 2 * (half + args.new_tokens) + 32)
+    max_context = 2 * (half + args.new_tokens) + 32
+    runner = CompiledRunner(target, max_context) if args.runner == "compiled" else None
+    engines = make_engines(target, draft, specs, max_context, runner)
     log(f"{len(set(engines.values()))} engines built")
     prompt = read_back_prompt(engines[MODES[0]], prefix, args.new_tokens)
     context = torch.tensor([prompt], device=device)  # [1, prompt length]

@@ -301,10 +301,18 @@ def build_report(
         "pair_card_hash": card.get("card_hash") if card else None,
         "pair_card": card,
         "machine": machine,
-        "summary": summarise(records, modes),
+        "summary": summarise(records, modes, _rounding(modes, (formats or {}).get("chosen"))),
         "formats": formats or {},
         "runs": [dataclasses.asdict(r) for r in records],
     }
+
+
+def _rounding(modes: list[str], chosen: str | None) -> list[str]:
+    """Engine modes in a format whose kernels round by row count: every one but fp32."""
+    def fmt_of(mode: str) -> str | None:
+        return mode.partition(FORMAT_MARK)[2] or chosen
+
+    return [m for m in modes if m not in HF_MODES and fmt_of(m) not in (None, "float32")]
 
 
 def report_header(report: dict) -> list[str]:

@@ -105,7 +105,8 @@ def test_lossless_check_compares_greedy_runs_with_off_only():
         record("ngram", tokens=[4, 4, 4], temperature=0.8),  # sampled: not compared
     ]
     result = lossless_check(records)
-    assert result["ngram"] == {"checked": True, "compared": 1, "mismatches": 0, "first_diff": []}
+    assert result["ngram"] == {"checked": True, "compared": 1, "mismatches": 0, "first_diff": [],
+                               "why": None}
     assert result["draft"]["mismatches"] == 1 and result["draft"]["first_diff"][0]["at"] == 2
     assert result["hf_plain"]["checked"] is False and result["hf_plain"]["mismatches"] == 1
 
@@ -247,3 +248,48 @@ def test_a_draft_training_prompt_set_is_benchmarked_on_its_heldout_items_only():
         heldout = [i for i in items if isinstance(i, dict) and i.get("heldout")]
         assert len(prompts[name]) == len(heldout)
     assert all(isinstance(p, list) for p in prompts["multi_turn"])  # whole conversations
+
+
+def test_every_mode_runs_in_each_other_format_against_that_formats_off(tmp_path):
+    from llm_engine.formats import convert
+    from voiceagent.bench_formats import format_section, render_formats
+
+    tokenizer = make_tokenizer()
+    target = make_model(len(tokenizer), seed=0)
+    config = EngineConfig(speculation=SpeculationConfig(method="ngram"),
+                          sampling=SamplingConfig(max_new_tokens=10))
+    engine = SpeculativeEngine(target, tokenizer, config)
+    other = SpeculativeEngine(convert(target, "bfloat16"), tokenizer, config)
+    prompt_set = PromptSet(version=0, system="", path="inline", sha256="-",
+                           segments={"chat": ["Hello, how can I help you today?"]})
+    settings = BenchSettings(modes=["off", "ngram"], temperatures=[0.0], max_new_tokens=10,
+                             warmup_tokens=2, hf=False)
+    records, modes = run_bench(engine, tokenizer, prompt_set, settings,
+                               other_formats={"bfloat16": other})
+    assert modes == ["off", "ngram", "off@bfloat16", "ngram@bfloat16"]
+    section = format_section({"float32": engine.cost_model, "bfloat16": other.cost_model},
+                             "float32", "eager", [], {})
+    report = build_report(records, modes, settings, prompt_set, engine, formats=section)
+    summary = report["summary"]
+    cells = {c["mode"]: c for c in summary["cells"]}
+    rate = {r.mode: r.decode_tok_s for r in records}
+    assert cells["off@bfloat16"]["ratio_vs_off"] == 1.0  # a reference, like off
+    assert cells["ngram@bfloat16"]["ratio_vs_off"] == pytest.approx(
+        rate["ngram@bfloat16"] / rate["off@bfloat16"])
+    lossless = summary["lossless"]
+    assert lossless["ngram"]["checked"] and not lossless["ngram@bfloat16"]["checked"]
+    assert "off@bfloat16" not in lossless
+    text = render_markdown(summary, report_header(report), render_formats(section))
+    assert "informative (rounding by row count)" in text
+    assert "| rows | float32 ms | × 1 row | bfloat16 ms | × 1 row |" in text
+    assert "(d) slowest mode ÷ the off of its format" in text
+
+
+def test_unknown_formats_are_refused_before_loading():
+    with pytest.raises(ValueError, match="unknown format"):
+        settings_from_args(bench_args(formats="float32,int3"), load_config())
+
+
+def test_a_cpu_bench_runs_fp32_and_bf16_side_by_side_by_default():
+    s = settings_from_args(bench_args(), load_config(None, ["engine.device=cpu"]))
+    assert s.formats == ["float32", "bfloat16"]
