@@ -3,9 +3,9 @@
 Neither changes what is generated, only how many tokens are drafted per step: verification is
 lossless for any K, including K = 0 (plain decoding), and for drafts without q (n-gram, plain
 steps) even a seeded sampled request gets the same tokens whatever K is (`llm_engine.verify`).
-Only a seeded request with a sampling draft model runs without the gate and with a fixed K: its
-random stream is drawn in step order, so a K schedule driven by timings (or by a measured cost
-model, which differs between machines) would change its tokens between runs.
+A seeded request with a sampling draft model draws its random stream in step order, so its K
+schedule must not follow live timings: its gate uses only the cost model's prediction (below),
+and its tokens reproduce wherever the same cost model is loaded (the same machine and cache).
 
 - DraftLength: K is the cost model's best draft length (`llm_engine.cost_model`) for the
   acceptance measured so far in this request: per drafted token, accepted / tried, with older
@@ -102,6 +102,7 @@ class CostGate:
         self,
         plain: PlainStepCost,
         enabled: bool = True,
+        measured: bool = True,  # False: close on the cost model's prediction only, never timings
         min_steps: int = 2,
         reprobe_steps: int = 32,
         probe_k: int = 2,
@@ -110,6 +111,7 @@ class CostGate:
         assert min_steps >= 1 and probe_k >= 1
         self.plain = plain
         self.enabled = enabled
+        self.measured = measured
         self.min_steps = min_steps
         self.probe_k = probe_k
         self.open = True
@@ -146,7 +148,7 @@ class CostGate:
         self._committed.append(committed)
         if len(self._step_ms) < self.min_steps or not self.plain.ready:
             return
-        if not pays or self.cost_per_token_ms >= self.plain.ms:
+        if not pays or (self.measured and self.cost_per_token_ms >= self.plain.ms):
             self.open = False
             self.closed_count += 1
             self._plain_left = self._reprobe_steps

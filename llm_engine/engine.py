@@ -168,14 +168,14 @@ class SpeculativeEngine:
             # The seed itself when there is one; else the generator's fresh random seed.
             noise_seed=generator.initial_seed(),
             proposer=proposer,
-            # A timing-free request's K must not follow a measurement either: it keeps K fixed.
             draft_length=DraftLength(
-                None if timing_free else self.cost_model, method, spec.num_draft_tokens,
-                spec.min_draft_tokens, spec.max_draft_tokens, spec.adaptive,
+                self.cost_model, method, spec.num_draft_tokens, spec.min_draft_tokens,
+                spec.max_draft_tokens, spec.adaptive,
             ),
             gate=CostGate(
                 self.plain_cost,
-                enabled=spec.gate and not timing_free,
+                enabled=spec.gate,
+                measured=not timing_free,
                 min_steps=spec.gate_min_steps,
                 reprobe_steps=spec.gate_reprobe_steps,
                 probe_k=spec.gate_probe_draft_tokens,

@@ -219,3 +219,12 @@ def test_gate_closes_when_the_cost_model_says_plain_wins():
 def test_plain_cost_starts_from_the_cost_model():
     plain = PlainStepCost(initial_ms=42.0)
     assert plain.ready and plain.ms == 42.0
+
+
+def test_a_gate_without_timings_closes_on_the_prediction_only():
+    gate = CostGate(calibrated(10.0), measured=False)
+    for _ in range(4):
+        gate.observe(drafted=4, committed=1, ms=500.0)  # slow steps: timings are not consulted
+    assert gate.limit(4) == 4
+    gate.observe(drafted=4, committed=1, ms=5.0, pays=False)
+    assert gate.limit(4) == 0

@@ -91,13 +91,16 @@ def test_seeded_ngram_keeps_the_gate_on_and_reproduces(target, tokenizer, off_to
         assert first == second == expected
 
 
-def test_seeded_draft_model_runs_ungated_and_reproduces(target, draft, tokenizer):
+def test_seeded_draft_model_gates_on_the_cost_model_only_and_reproduces(
+        target, draft, tokenizer):
     # Rejection sampling on the request generator: its draws follow the K schedule, which
-    # therefore must not depend on timings.
+    # therefore must not depend on timings, only on the engine's (loaded) cost model.
     engine = make_engine(target, tokenizer, "draft", draft)
     first, state = run(engine, PROMPTS[0], sampling(7))
-    second, _ = run(engine, PROMPTS[0], sampling(7))
-    assert not state.gate.enabled
+    again = make_engine(target, tokenizer, "draft", draft)
+    again.cost_model = engine.cost_model  # the same machine and cache
+    second, _ = run(again, PROMPTS[0], sampling(7))
+    assert state.gate.enabled and not state.gate.measured
     assert first == second
 
 
