@@ -69,6 +69,7 @@ class DraftLength:
         self.min_k, self.max_k, self.enabled, self.decay = min_k, max_k, enabled, decay
         self._accepted = 0.0  # decayed sums over drafted steps: accepted tokens,
         self._tried = 0.0  # and tokens the target judged (the accepted ones and the first miss)
+        self._steps = 0
 
     @property
     def acceptance(self) -> float | None:
@@ -79,6 +80,7 @@ class DraftLength:
             return
         self._accepted = self.decay * self._accepted + accepted
         self._tried = self.decay * self._tried + accepted + (accepted < drafted)
+        self._steps += 1
 
     @property
     def best(self) -> int:
@@ -94,7 +96,15 @@ class DraftLength:
 
     @property
     def pays(self) -> bool:
-        return self.best > 0
+        """Whether drafting is predicted to beat plain steps. Judged on the acceptance with a
+        prior of one accepted and one missed token that decays like the evidence (Laplace's rule
+        at the start), so that two unlucky early steps of a sampled reply do not turn speculation
+        off where verifying is nearly free, while a run of misses still does."""
+        if not self.enabled or self.costs is None or not self._tried:
+            return True
+        weight = self.decay**self._steps
+        prior = (self._accepted + weight) / (self._tried + 2.0 * weight)
+        return self.costs.best_k(self.method, prior, self.max_k) > 0
 
 
 class CostGate:

@@ -415,14 +415,15 @@ def run_engine_bench(cfg: Config, args) -> int:
                                 cfg.paths.cache_dir, say, also=settings.modes)
         for fmt_name in settings.formats if fmt_name != chosen
     }
-    # HF generate() runs on the fp32 eager target: the reference a user starts from.
-    reference = runtime if chosen == "float32" else others.get("float32") or build_runtime(
-        dataclasses.replace(cfg.engine, format="float32"), cfg.paths.cache_dir, say,
-        also=settings.modes)
+    # HF generate() and --quality use the fp32 eager target: the reference a user starts from.
+    reference = runtime if chosen == "float32" else others.get("float32")
+    if reference is None and (settings.hf or settings.quality):
+        reference = build_runtime(dataclasses.replace(cfg.engine, format="float32"),
+                                  cfg.paths.cache_dir, say, also=settings.modes)
     records, modes = run_bench(
         runtime.engine, runtime.target.tokenizer, prompt_set, settings,
-        hf_model=reference.target.model,
-        hf_draft=reference.draft.model if reference.draft else None,
+        hf_model=reference.target.model if reference else None,
+        hf_draft=reference.draft.model if reference and reference.draft else None,
         progress=say,
         other_formats={name: rt.engine for name, rt in others.items()},
     )

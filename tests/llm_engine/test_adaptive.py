@@ -87,10 +87,23 @@ def test_k_climbs_to_max_after_a_fully_accepted_draft():
 
 def test_k_falls_and_speculation_stops_paying_when_nothing_is_accepted():
     length = DraftLength(costs(), "ngram", k=4, min_k=1, max_k=11)
-    for _ in range(3):
-        length.observe(drafted=4, accepted=0)
+    length.observe(drafted=4, accepted=0)
     assert length.k == 1  # never below min_k: the gate, not K, turns speculation off
+    assert length.pays  # one miss is not yet evidence (the prior)
+    for _ in range(5):
+        length.observe(drafted=4, accepted=0)
     assert not length.pays
+
+
+def test_where_verifying_is_nearly_free_a_low_acceptance_still_pays():
+    flat = costs([50.0, 51.0, 52.0, 53.0] + [54.0] * 8)
+    steep = costs([50.0, 90.0, 110.0, 85.0] + [100.0] * 8)
+    for model, pays in ((flat, True), (steep, False)):
+        length = DraftLength(model, "ngram", k=4, min_k=1, max_k=11)
+        for _ in range(2):
+            length.observe(drafted=4, accepted=0)
+        length.observe(drafted=4, accepted=1)
+        assert length.pays is pays
 
 
 def test_acceptance_counts_the_first_miss_only():
