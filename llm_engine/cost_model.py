@@ -63,10 +63,15 @@ class CostModel:
     def max_rows(self) -> int:
         return len(self.verify_ms)
 
+    def __post_init__(self) -> None:
+        # Every padded row count once: rows() and best_k() run on the engine's step loop.
+        self._padded = [self._pad(n) for n in range(1, self.max_rows + 1)]
+
     def rows(self, n: int) -> int:
         """The row count to run n rows as: n, or more when padding is clearly cheaper."""
-        if n >= self.max_rows:
-            return n
+        return n if n >= self.max_rows else self._padded[n - 1]
+
+    def _pad(self, n: int) -> int:
         best = n
         for r in range(n + 1, self.max_rows + 1):
             if self.verify_ms[r - 1] < _PAD_GAIN * self.verify_ms[best - 1]:
@@ -87,8 +92,11 @@ class CostModel:
     def best_k(self, method: str, acceptance: float, max_k: int) -> int:
         """The draft length with the most expected tokens per ms; 0 when plain decoding wins."""
         best, best_rate = 0, 1.0 / self.plain_ms
+        tokens = power = 1.0  # expected_tokens(k, acceptance), built up as k grows
         for k in range(1, max_k + 1):
-            rate = expected_tokens(k, acceptance) / self.step_ms(method, k)
+            power *= acceptance
+            tokens += power
+            rate = tokens / self.step_ms(method, k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

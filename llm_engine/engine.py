@@ -282,8 +282,9 @@ class SpeculativeEngine:
         if drafted:
             state.proposer.update(result.num_accepted)
         state.draft_length.observe(drafted, result.num_accepted)
+        # The prediction only matters for a step that drafted: spare plain steps its search.
         state.gate.observe(drafted, len(result.tokens), (t2 - t0) * 1000.0,
-                           pays=state.draft_length.pays)
+                           pays=not drafted or state.draft_length.pays)
         step = StepStats(
             k=k,
             drafted=drafted,
