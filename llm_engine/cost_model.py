@@ -206,7 +206,7 @@ def machine_key(device: torch.device) -> dict:
     if device.type == "cuda":
         processor = torch.cuda.get_device_name(device)
     else:
-        processor = _cpu_model()
+        processor = cpu_model()
     return {
         "processor": processor,
         "cpu_flags": _cpu_flags_digest(),
@@ -272,7 +272,8 @@ def _cpuinfo() -> str:
         return ""
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The processor's name, as /proc/cpuinfo gives it."""
     for line in _cpuinfo().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

@@ -27,6 +27,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from llm_engine import formats
 from llm_engine.config import SamplingConfig
+from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
 from llm_engine.proposers import proposer_names
@@ -255,18 +256,10 @@ def _rate(value: float | None) -> str:
 
 
 def machine_info(device) -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
