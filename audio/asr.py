@@ -47,6 +47,7 @@ class StreamingTranscriber:
         self.model = model
         self.cfg = cfg
         self.interim_every = cfg.interim_every_ms * SAMPLE_RATE // 1000  # in samples
+        self.max_samples = int(cfg.max_utterance_s * SAMPLE_RATE)
         self._lock = threading.Lock()
         self.reset()
 
@@ -55,14 +56,21 @@ class StreamingTranscriber:
         with self._lock:
             self._chunks: list[np.ndarray] = []
             self._samples = 0
+            self.dropped = 0  # samples beyond max_utterance_s, not transcribed
             self._interim_mark = 0  # samples fed when the last interim took its snapshot
             self._last: Transcript | None = None
             self._agreed = ""  # the words the last two interims agree on
 
     def feed(self, samples: np.ndarray) -> None:
-        """Append 16 kHz mono int16 audio to the utterance."""
+        """Append 16 kHz mono int16 audio to the utterance, up to `max_utterance_s`."""
         assert samples.ndim == 1 and samples.dtype == np.int16, (samples.shape, samples.dtype)
         with self._lock:
+            room = self.max_samples - self._samples
+            if len(samples) > room:
+                self.dropped += len(samples) - max(room, 0)
+                samples = samples[: max(room, 0)]
+            if not len(samples):
+                return
             self._chunks.append(samples)
             self._samples += len(samples)
 

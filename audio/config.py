@@ -41,6 +41,9 @@ class ASRConfig:
     # length (it pads to 30 s), about 350 ms on two CPU cores: a shorter cadence keeps the CPU busy
     # while the caller speaks, and the transcript at the caller's pause then waits for it.
     interim_every_ms: int = 1000
+    # One utterance is transcribed up to this long; the rest of it is dropped (a caller who never
+    # pauses, or a line that streams noise, cannot grow the buffer or every re-transcription).
+    max_utterance_s: float = 30.0
     # Audio kept from before the VAD start: it fires start_secs late, and at the start of a
     # stream, before Silero has context, up to ~0.7 s late (seen on Twilio calls).
     preroll_ms: int = 800

@@ -430,6 +430,11 @@ class SpeculativeEngine:
         for stale in evicted:
             stale.proposer.release()
 
+    @property
+    def sessions_kept(self) -> int:
+        """Sessions whose KV is kept as a prefix cache (a finished call keeps none)."""
+        return len(self._sessions)
+
     def drop_session(self, session_id: str) -> None:
         """Forget a session's prefix cache (the call ended; its id is not used again). A request
         of it still in flight frees its KV when it ends."""

@@ -172,6 +172,16 @@ def load_causal_lm(
     )
 
 
+def servable_folder(source: str, cache_dir: str | Path, progress=print) -> str:
+    """A folder other servers (vLLM, SGLang) can load: its own, or a GGUF's de-quantised copy."""
+    folder, gguf = _locate(source)
+    if gguf is None:
+        return str(folder or source)
+    cache = Path(cache_dir).expanduser()
+    return str(_dequantised_folder(folder, gguf, file_sha256(folder / gguf, cache), cache,
+                                   progress)[0])
+
+
 def _dequantised_folder(
     folder: Path, gguf: str, sha: str, cache: Path | None, progress
 ) -> tuple[Path, bool]:

@@ -162,6 +162,7 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
         self._closed = False
+        self.in_flight = 0  # requests submitted and not yet ended
         self._error: str | None = None  # why the worker died
         # Queueing a request and the worker's end exclude each other: nothing is queued after it.
         self._admit = threading.Lock()
@@ -205,6 +206,7 @@ class AsyncEngine:
             state = self.engine.start(prompt_ids, sampling, session_id, method)
             handle = RequestHandle(state, asyncio.get_running_loop(), self.engine.tokenizer)
             self._inbox.put(handle)
+            self.in_flight += 1
         return handle
 
     async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
@@ -281,6 +283,8 @@ class AsyncEngine:
         self.engine.release(st)
         if st.finish_reason == "cancelled" and st.cancel_time is not None:  # up to the KV freed
             st.stats.cancel_to_stop_ms = (time.perf_counter() - st.cancel_time) * 1000
+        with self._admit:
+            self.in_flight -= 1
         handle._finish(st.finish_reason, error)
 
     def _shutdown(self, active: deque[RequestHandle]) -> None:
@@ -292,6 +296,7 @@ class AsyncEngine:
         with self._admit:
             self._error = error
             waiting = [self._inbox.get_nowait() for _ in range(self._inbox.qsize())]
+            self.in_flight = 0
         for handle in [*active, *waiting]:
             if handle is None:  # close() asked the worker to stop
                 continue

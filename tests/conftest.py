@@ -10,6 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_secrets_from_the_environment(monkeypatch):
+    """A developer's exported VOICEAGENT_TOKEN or TWILIO_AUTH_TOKEN must not change what the
+    tests' servers require (tests that need a token set it themselves)."""
+    monkeypatch.delenv("VOICEAGENT_TOKEN", raising=False)
+    monkeypatch.delenv("TWILIO_AUTH_TOKEN", raising=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct target, loaded once (de-quantised cache reused)."""

@@ -32,18 +32,19 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
 from llm_engine.proposers import proposer_names
 from llm_engine.sampling import is_greedy
+from voiceagent.bench_anchor import AnchorError, anchor_runner, connect
 from voiceagent.bench_formats import format_section, render_formats
 from voiceagent.bench_report import (
+    ANCHOR,
     FORMAT_MARK,
     REFERENCE,
     RunRecord,
+    is_baseline,
     render_markdown,
     summarise,
 )
 from voiceagent.config import Config
 from voiceagent.prompt_sets import PromptSet, heldout_conversations, load_prompt_set, messages
-
-HF_MODES = ("hf_plain", "hf_prompt_lookup", "hf_assisted")
 
 
 @dataclass
@@ -64,6 +65,8 @@ class BenchSettings:
     # the others as mode@format. Empty: the chosen format only.
     formats: list[str] = dataclasses.field(default_factory=list)
     quality: bool = False  # teacher-forced agreement of each format with fp32
+    anchor_url: str | None = None  # an OpenAI-compatible server timed as mode `anchor`
+    anchor_model: str | None = None  # None: the first model it serves
 
     def sampling(self, temperature: float, max_new_tokens: int | None = None) -> SamplingConfig:
         return SamplingConfig(
@@ -77,12 +80,18 @@ class BenchSettings:
 
 # -- the runners: one generation each, measured the same way -------------------------------------
 
-Runner = Callable[[list[int], SamplingConfig], dict]  # -> RunRecord's measured fields
+@dataclass(frozen=True)
+class BenchPrompt:
+    ids: list[int]  # the chat template applied by the target's tokenizer
+    messages: list[dict]  # what a server is sent (--anchor-url)
+
+
+Runner = Callable[[BenchPrompt, SamplingConfig], dict]  # -> RunRecord's measured fields
 
 
 def engine_runner(engine: SpeculativeEngine, method: str) -> Runner:
-    def run(prompt_ids: list[int], sampling: SamplingConfig) -> dict:
-        state = engine.start(prompt_ids, sampling, method=method)
+    def run(prompt: BenchPrompt, sampling: SamplingConfig) -> dict:
+        state = engine.start(prompt.ids, sampling, method=method)
         try:
             while not state.finished:
                 engine.step(state)
@@ -131,7 +140,8 @@ class TimingStreamer(BaseStreamer):
 def hf_runner(model, eos_ids: list[int], pad_id: int, **extra) -> Runner:
     """`model.generate()` with `extra` (prompt_lookup_num_tokens, assistant_model, ...)."""
 
-    def run(prompt_ids: list[int], sampling: SamplingConfig) -> dict:
+    def run(prompt: BenchPrompt, sampling: SamplingConfig) -> dict:
+        prompt_ids = prompt.ids
         input_ids = torch.tensor([prompt_ids], device=model.device)  # [1, n]
         kwargs = {"do_sample": False}
         if not is_greedy(sampling):
@@ -165,10 +175,10 @@ def hf_runner(model, eos_ids: list[int], pad_id: int, **extra) -> Runner:
 
 def make_runners(
     engine: SpeculativeEngine, settings: BenchSettings, hf_model=None, hf_draft=None,
-    other_formats: dict[str, SpeculativeEngine] | None = None,
+    other_formats: dict[str, SpeculativeEngine] | None = None, anchor: Runner | None = None,
 ) -> dict[str, Runner]:
     """Mode name -> runner, engine modes first, in the order the settings list them; then each
-    mode in each other format (mode@format)."""
+    mode in each other format (mode@format), the HF baselines and the anchor server."""
     runners = {mode: engine_runner(engine, mode) for mode in settings.modes}
     for fmt, other in (other_formats or {}).items():
         runners.update({f"{mode}{FORMAT_MARK}{fmt}": engine_runner(other, mode)
@@ -183,6 +193,8 @@ def make_runners(
         )
         if hf_draft is not None:
             runners["hf_assisted"] = hf_runner(hf_model, eos, pad, assistant_model=hf_draft)
+    if anchor is not None:
+        runners[ANCHOR] = anchor
     return runners
 
 
@@ -208,12 +220,13 @@ def run_bench(
     hf_draft=None,
     progress: Callable[[str], None] = lambda msg: None,
     other_formats: dict[str, SpeculativeEngine] | None = None,
+    anchor: Runner | None = None,
 ) -> tuple[list[RunRecord], list[str]]:
     """Every mode on every prompt; returns the run records and the modes in report order."""
-    runners = make_runners(engine, settings, hf_model, hf_draft, other_formats)
+    runners = make_runners(engine, settings, hf_model, hf_draft, other_formats, anchor)
     modes = list(runners)
     prompts = {
-        seg: [encode_chat(tokenizer, messages(prompt_set.system, text)) for text in texts]
+        seg: [_prompt(tokenizer, messages(prompt_set.system, text)) for text in texts]
         for seg, texts in select_prompts(prompt_set, settings).items()
     }
     first_prompt = next(iter(prompts.values()))[0]
@@ -222,20 +235,20 @@ def run_bench(
     progress(f"warmed up {', '.join(modes)}")
 
     plan = [
-        (temperature, repeat, segment, index, prompt_ids)
+        (temperature, repeat, segment, index, prompt)
         for temperature in settings.temperatures
         for repeat in range(settings.repeats)
         for segment, seg_prompts in prompts.items()
-        for index, prompt_ids in enumerate(seg_prompts)
+        for index, prompt in enumerate(seg_prompts)
     ]
     records: list[RunRecord] = []
-    for turn, (temperature, repeat, segment, index, prompt_ids) in enumerate(plan):
+    for turn, (temperature, repeat, segment, index, prompt) in enumerate(plan):
         shift = turn % len(modes)  # rotate the order, so no mode always runs first or last
         done = [
             RunRecord(
-                mode=mode, engine=mode not in HF_MODES, segment=segment, prompt_index=index,
-                repeat=repeat, temperature=temperature, prompt_tokens=len(prompt_ids),
-                **runners[mode](prompt_ids, settings.sampling(temperature)),
+                mode=mode, engine=not is_baseline(mode), segment=segment, prompt_index=index,
+                repeat=repeat, temperature=temperature, prompt_tokens=len(prompt.ids),
+                **runners[mode](prompt, settings.sampling(temperature)),
             )
             for mode in modes[shift:] + modes[:shift]
         ]
@@ -246,6 +259,10 @@ def run_bench(
             + ", ".join(f"{r.mode} {r.n_tokens} tok {_rate(r.decode_tok_s)}" for r in done)
         )
     return records, modes
+
+
+def _prompt(tokenizer, chat: list[dict]) -> BenchPrompt:
+    return BenchPrompt(encode_chat(tokenizer, chat), chat)
 
 
 def _rate(value: float | None) -> str:
@@ -305,7 +322,7 @@ def _rounding(modes: list[str], chosen: str | None) -> list[str]:
     def fmt_of(mode: str) -> str | None:
         return mode.partition(FORMAT_MARK)[2] or chosen
 
-    return [m for m in modes if m not in HF_MODES and fmt_of(m) not in (None, "float32")]
+    return [m for m in modes if not is_baseline(m) and fmt_of(m) not in (None, "float32")]
 
 
 def report_header(report: dict) -> list[str]:
@@ -319,7 +336,7 @@ def report_header(report: dict) -> list[str]:
         f" max {s['max_new_tokens']} new tokens, {s['repeats']} repeat(s), seed {s['seed']},"
         f" top_k {s['top_k']}, top_p {s['top_p']}, HF prompt lookup {s['hf_lookup_tokens']} tokens",
         f"- modes: {', '.join(report['modes'])}",
-    ]
+    ] + ([f"- anchor: `{s['anchor_model']}` at {s['anchor_url']}"] if s.get("anchor_url") else [])
 
 
 def _load(machine: dict) -> str:
@@ -376,6 +393,8 @@ def settings_from_args(args, cfg: Config) -> BenchSettings:
         hf_lookup_tokens=args.hf_lookup_tokens,
         formats=_formats(args, cfg),
         quality=args.quality,
+        anchor_url=args.anchor_url,
+        anchor_model=args.anchor_model,
     )
 
 
@@ -400,6 +419,15 @@ def run_engine_bench(cfg: Config, args) -> int:
     settings = settings_from_args(args, cfg)
     prompt_set = load_prompt_set(args.prompts)
     select_prompts(prompt_set, settings)  # refuse unknown segments before loading models
+    anchor = None
+    if settings.anchor_url:  # an unreachable server fails now, not after minutes of loading
+        try:
+            anchor = connect(settings.anchor_url, settings.anchor_model)
+        except AnchorError as exc:
+            say(f"error: {exc}")
+            return 2
+        settings.anchor_model = anchor[1]
+        say(f"anchor: {settings.anchor_url}, model {anchor[1]}")
     started, load_at_start = datetime.now(timezone.utc), os.getloadavg()[0]
     runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=settings.modes)
     chosen = runtime.target.dtype
@@ -419,6 +447,7 @@ def run_engine_bench(cfg: Config, args) -> int:
         hf_draft=reference.draft.model if reference and reference.draft else None,
         progress=say,
         other_formats={name: rt.engine for name, rt in others.items()},
+        anchor=anchor_runner(*anchor, runtime.target.tokenizer) if anchor else None,
     )
     quality = {}
     if settings.quality:

@@ -22,6 +22,12 @@ from pathlib import Path
 
 REFERENCE = "off"  # the mode every ratio and the losslessness check compare against
 FORMAT_MARK = "@"  # "ngram@float32": a mode run in a format other than the engine's chosen one
+ANCHOR = "anchor"  # an OpenAI-compatible server timed on the same prompts (--anchor-url)
+
+
+def is_baseline(mode: str) -> bool:
+    """Not one of our engine's modes: a Hugging Face generate() baseline or the anchor server."""
+    return mode.startswith("hf_") or mode == ANCHOR
 
 
 def reference_for(mode: str) -> str:
@@ -165,6 +171,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+WHY_INFORMATIVE = {ANCHOR: "its streamed text, re-tokenised"}
+
+
 def lossless_check(records: list[RunRecord], rounding: Collection[str] = ()) -> dict[str, dict]:
     """At temperature 0, every mode's tokens against `off`'s for the same prompt.
 
@@ -182,7 +191,8 @@ def lossless_check(records: list[RunRecord], rounding: Collection[str] = ()) -> 
             continue
         entry = out.setdefault(r.mode, {
             "checked": r.engine and r.mode not in rounding, "compared": 0, "mismatches": 0,
-            "first_diff": [], "why": "rounding by row count" if r.mode in rounding else None,
+            "first_diff": [], "why": WHY_INFORMATIVE.get(r.mode)
+            or ("rounding by row count" if r.mode in rounding else None),
         })
         entry["compared"] += 1
         diff = first_difference(r.token_ids, ref[base])
@@ -263,7 +273,8 @@ def summarise(records: list[RunRecord], modes: list[str], rounding: Collection[s
 def ratios(
     records: list[RunRecord], modes: list[str], temperatures: list[float], segments: list[str]
 ) -> dict:
-    """(a) off ÷ HF plain; (b) best speculative ÷ off at T=0; (c) ours ÷ HF's same proposer.
+    """(a) off ÷ HF plain; (b) best speculative ÷ off at T=0; (c) ours ÷ HF's same proposer;
+    (d) the slowest mode against its own off; (e) the anchor server ÷ off.
 
     Each is a geometric mean of per-prompt decode-rate ratios, per segment and over all prompts
     ("all"); (a) also carries the end-to-end ratio, which includes the first token.
@@ -276,7 +287,7 @@ def ratios(
         out["all"] = paired_geomean(at_t, mode, base, metric)
         return out
 
-    a, c, d = {}, {}, {}
+    a, c, d, e = {}, {}, {}, {}
     plain_modes = [m for m in modes if m.startswith(REFERENCE) and is_reference(m)]
     for t in temperatures:
         if "hf_plain" in modes:
@@ -287,13 +298,15 @@ def ratios(
             }
         slowest = [
             (value, mode, seg)
-            for mode in modes if not is_reference(mode) and not mode.startswith("hf_")
+            for mode in modes if not is_reference(mode) and not is_baseline(mode)
             for seg, value in per_segment(t, mode, reference_for(mode)).items()
             if value is not None and seg != "all"
         ]
         if slowest:
             value, mode, seg = min(slowest)
             d[str(t)] = {"ratio": value, "mode": mode, "segment": seg}
+        if ANCHOR in modes:
+            e[str(t)] = per_segment(t, ANCHOR, REFERENCE)
         c[str(t)] = {
             f"{ours}/{theirs}": per_segment(t, ours, theirs)
             for ours, theirs in SAME_PROPOSER
@@ -301,7 +314,7 @@ def ratios(
         }
     b: dict = {}
     speculative = [m for m in modes
-                   if m != REFERENCE and not m.startswith("hf_") and FORMAT_MARK not in m]
+                   if m != REFERENCE and not is_baseline(m) and FORMAT_MARK not in m]
     if 0.0 in temperatures and speculative:
         by_mode = {m: per_segment(0.0, m, REFERENCE) for m in speculative}
         for seg in [*segments, "all"]:
@@ -309,7 +322,7 @@ def ratios(
             best = max(scored, key=scored.get) if scored else None
             b[seg] = {"best_mode": best, "best": scored.get(best), "by_mode": scored}
     return {"a_off_vs_hf_plain": a, "b_best_speculative_vs_off_t0": b, "c_vs_hf_same_proposer": c,
-            "d_slowest_vs_own_off": d}
+            "d_slowest_vs_own_off": d, "e_anchor_vs_off": e}
 
 
 # -- Markdown -----------------------------------------------------------------------------------
@@ -395,6 +408,8 @@ def _ratio_lines(r: dict) -> list[str]:
     for t, pairs in r["c_vs_hf_same_proposer"].items():
         for pair, values in pairs.items():
             bullets.append(f"(c) {pair.replace('/', ' ÷ ')}, T={float(t):g}: {_seg_list(values)}")
+    for t, values in r.get("e_anchor_vs_off", {}).items():
+        bullets.append(f"(e) anchor server ÷ engine off, T={float(t):g}: {_seg_list(values)}")
     if not bullets:
         return []
     title = "## Ratios (geometric mean of per-prompt decode tok/s ratios)"

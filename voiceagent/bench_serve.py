@@ -18,6 +18,7 @@ import sys
 import time
 
 from audio.synth import synthesize
+from voiceagent.bench_knee import knee, render_knee
 from voiceagent.bench_report import percentile, save_results, utc_stamp
 from voiceagent.config import Config
 from voiceagent.models import resolve
@@ -159,16 +160,27 @@ def render(r: dict) -> str:
 
 def run_serve_bench(cfg: Config, args) -> int:
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress on stderr
-    concurrency = [int(x) for x in (args.calls or "1,2,3").split(",")]
+    default_calls = "1,2,3,4,5,6" if args.knee else "1,2,3"
+    concurrency = [int(x) for x in (args.calls or default_calls).split(",")]
     shared = load_shared(cfg, say)
     try:
         t0 = time.monotonic()
-        result = asyncio.run(Bench(cfg, shared, say).run(args.turns, concurrency, args.soak))
+        bench = Bench(cfg, shared, say)
+        if args.knee:
+            methods = list(dict.fromkeys(["off", cfg.engine.speculation.method]))
+            audio = [bench.speech[q] for q in QUESTIONS[:args.turns]]
+            result = asyncio.run(knee(cfg, shared, audio, concurrency, methods,
+                                      args.threshold_ms, say))
+            body, name = render_knee(result), "serve-knee"
+        else:  # this bench measures how calls share the machine: admit them all
+            cfg.server.max_calls = max(cfg.server.max_calls, *concurrency)
+            result = asyncio.run(bench.run(args.turns, concurrency, args.soak))
+            body, name = render(result), "serve"
     finally:
         shared.close()
     stamp = utc_stamp()
     markdown = (f"# Server benchmark (Twilio Media Streams)\n\n- {stamp}, target "
                 f"`{cfg.engine.target}`, speculation {cfg.engine.speculation.method}, "
-                f"{time.monotonic() - t0:.0f} s\n\n{render(result)}\n")
-    save_results(args.out, "serve", stamp, markdown, result)
+                f"{time.monotonic() - t0:.0f} s\n\n{body}\n")
+    save_results(args.out, name, stamp, markdown, result)
     return 0

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default from config: 7860)")
+    p.add_argument("--insecure-public", action="store_true",
+                   help="listen off loopback without server.token (and take unsigned Twilio "
+                   "calls): anyone who reaches the port can place calls and read transcripts")
 
     p = sub.add_parser("call", help="simulate a phone call from a WAV file through the pipeline")
     _config_args(p)
@@ -74,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baselines")
     p.add_argument("--formats", help="bench engine: weight formats to run every mode in, "
                    "comma-separated (default on a CPU: float32,bfloat16)")
+    p.add_argument("--anchor-url", help="bench engine: an OpenAI-compatible server's /v1 URL "
+                   "(vLLM, SGLang, llama.cpp) timed on the same prompts as mode `anchor`")
+    p.add_argument("--anchor-model", help="bench engine: the model to ask the anchor for "
+                   "(default: the first it serves)")
     p.add_argument("--quality", action="store_true", help="bench engine: each format's "
                    "teacher-forced top-1 agreement and log-prob difference against fp32")
     p.add_argument("--quick", action="store_true",
@@ -82,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--script", help="bench call: scripted calls YAML "
                    "(default: configs/prompts/call_bench_v2.yaml)")
     p.add_argument("--turns", type=int, default=5, help="bench serve: turns of the timed call")
-    p.add_argument("--calls", help="bench serve: simultaneous calls to try (default: 1,2,3)")
+    p.add_argument("--calls", help="bench serve: simultaneous calls to try (default: 1,2,3; "
+                   "--knee: 1,2,3,4,5,6)")
+    p.add_argument("--knee", action="store_true", help="bench serve: the capacity knee, "
+                   "speculation off and on (per number of callers at once)")
+    p.add_argument("--threshold-ms", type=float, default=1500.0,
+                   help="bench serve --knee: clock 3 every turn must stay under (default 1500)")
     p.add_argument("--soak", type=int, default=20,
                    help="bench serve: calls in a row for the memory figure (default: 20)")
 

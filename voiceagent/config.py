@@ -36,13 +36,36 @@ class ServerConfig(BaseModel):
     port: int = Field(7860, ge=1, le=65535)
     # Shared token for /api/offer, /telephony/twilio and the dashboard; env VOICEAGENT_TOKEN.
     token: str | None = None
-    twilio_auth_token: str | None = None  # enables Twilio request-signature validation
+    # Enables Twilio request-signature validation; env TWILIO_AUTH_TOKEN.
+    twilio_auth_token: str | None = None
     # The URL the public reaches us at (e.g. https://abc.ngrok.app), when behind a proxy: Twilio
     # signs the URL it requested, not the one we see.
     public_url: str | None = None
-    max_calls: int = Field(4, ge=1)
+    # Off loopback, `serve` refuses to start without `token` (and Twilio calls without
+    # `twilio_auth_token`) unless this says the operator means it (`serve --insecure-public`).
+    allow_public_without_token: bool = False
+    # Host header names accepted (DNS rebinding); empty: loopback names, `host` and the host of
+    # `public_url`, or any name when `host` binds every interface (the token guards those).
+    allowed_hosts: list[str] = Field(default_factory=list)
+    # Origins other than the server's own that browsers may call it from.
+    allowed_origins: list[str] = Field(default_factory=list)
+    # The capacity knee measured on 2 CPU cores (`bench serve --knee`); raise it with the cores.
+    max_calls: int = Field(1, ge=1)
+    max_api_requests: int = Field(2, ge=1)  # /v1/chat/completions requests at once (429)
     max_message_bytes: int = Field(64 * 1024, ge=1024)
     idle_timeout_s: float = Field(60.0, gt=0)
+    max_call_s: float = Field(3600.0, gt=0)  # a call this long is ended
+    # A peer that has not read what we sent for this long has lost its call.
+    send_timeout_s: float = Field(10.0, gt=0)
+    close_timeout_s: float = Field(3.0, gt=0)  # waiting for a close handshake, after cancelling
+    start_timeout_s: float = Field(5.0, gt=0)  # a Twilio socket must send `start` within this
+    max_handshakes_per_client: int = Field(4, ge=1)  # Twilio sockets waiting for `start`, per IP
+    # Media: one Twilio payload at most this many μ-law bytes (Twilio sends 160: 20 ms), and no
+    # faster than `max_media_speed` x real time beyond a burst of `media_burst_s` seconds.
+    max_media_payload_bytes: int = Field(1600, ge=160)
+    max_media_speed: float = Field(1.5, ge=1.0)
+    media_burst_s: float = Field(2.0, gt=0)
+    max_event_subscribers: int = Field(16, ge=1)  # open /api/events streams
 
 
 class TurnConfig(BaseModel):
@@ -83,6 +106,10 @@ class StoreConfig(BaseModel):
     # Store (and so show on the dashboard) what the caller and the bot said; false keeps only
     # the clocks and the engine stats.
     transcripts: bool = True
+    retention_days: float | None = Field(30.0, gt=0)  # older calls and turns deleted; None: keep
+    max_queue: int = Field(10_000, ge=1)  # writes waiting for the store; beyond: spilled to disk
+    # The dashboard's statistics read at most this many of the newest turns.
+    max_dashboard_turns: int = Field(10_000, ge=1)
 
 
 class PathsConfig(BaseModel):
@@ -129,8 +156,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         apply_override(data, item)
     server = data.setdefault("server", {}) or {}
-    if server.get("token") is None and os.environ.get("VOICEAGENT_TOKEN"):
-        server["token"] = os.environ["VOICEAGENT_TOKEN"]
+    # Secrets from the environment, so they never go on a command line.
+    for key, env in (("token", "VOICEAGENT_TOKEN"), ("twilio_auth_token", "TWILIO_AUTH_TOKEN")):
+        if server.get(key) is None and os.environ.get(env):
+            server[key] = os.environ[env]
     data["server"] = server
     try:
         return Config.model_validate(data)

@@ -131,6 +131,12 @@ class TwilioCaller:
                 future.set_result(now)
             n += 1
             await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
+        # Closed (hung up, or the server closed): speech still queued is never sent, and whoever
+        # waits for it must not wait for ever; `received.close_code` says why.
+        while not self._outbox.empty():
+            for future in self._outbox.get_nowait()[1]:
+                if not future.done():
+                    future.set_result(time.monotonic())
 
     async def media(self, ulaw: bytes, chunk_no: int = 0) -> None:
         await self.send({

@@ -92,3 +92,13 @@ def test_reset_starts_a_new_utterance(model):
     tr.interim()
     tr.reset()
     assert tr.samples == 0 and tr.last_interim is None and tr.final().text == ""
+
+
+def test_an_utterance_is_capped_and_audio_beyond_the_cap_is_dropped(model):
+    tr = StreamingTranscriber(model, ASRConfig(max_utterance_s=1.0))
+    chunk = np.zeros(320, np.int16)  # 20 ms at 16 kHz
+    for _ in range(100):  # 2 s of audio
+        tr.feed(chunk)
+    assert tr.samples == 16000 and tr.dropped == 16000
+    assert len(tr._chunks) == 50  # nothing, not even empty chunks, kept past the cap
+    assert len(tr._snapshot(mark_interim=False)) == 16000

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from voiceagent.config import Config, load_config
 from voiceagent.server.serve import serving_in_process as serving
 
-__all__ = ["server_config", "serving"]
+__all__ = ["server_config", "serving", "twilio_url", "until"]
 
 
 def server_config(tmp_path, *overrides: str) -> Config:
-    return load_config(None, [f"paths.runs_dir={tmp_path}/runs", *overrides])
+    """The default config with its store under `tmp_path`; calls one after another must not
+    meet the previous call's slot still being freed, so 4 slots unless `overrides` say."""
+    return load_config(None, [f"paths.runs_dir={tmp_path}/runs", "server.max_calls=4",
+                              *overrides])
 
 
 def twilio_url(base: str) -> str:
     return base.replace("http://", "ws://") + "/telephony/twilio"
+
+
+async def until(predicate, timeout: float) -> bool:
+    """Poll `predicate()` until true or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return bool(predicate())

@@ -25,6 +25,7 @@ from voiceagent.bench_report import (
     RunRecord,
     first_difference,
     geomean,
+    is_baseline,
     lossless_check,
     paired_geomean,
     percentile,
@@ -40,7 +41,7 @@ def record(mode="off", times=(100.0, 150.0, 200.0), tokens=None, prompt=0, segme
            temperature=0.0, **extra) -> RunRecord:
     times = list(times)
     return RunRecord(
-        mode=mode, engine=not mode.startswith("hf_"), segment=segment, prompt_index=prompt,
+        mode=mode, engine=not is_baseline(mode), segment=segment, prompt_index=prompt,
         repeat=0, temperature=temperature, prompt_tokens=5,
         token_ids=list(tokens) if tokens is not None else list(range(len(times))),
         token_times_ms=times, **extra,
@@ -157,13 +158,29 @@ def test_markdown_has_one_table_per_temperature_and_the_ratios():
     assert "| hf_plain | informative | 1 | 0 | – |" in text
 
 
+def test_the_anchor_is_a_baseline_compared_with_off_and_never_the_best_mode():
+    records = [
+        record("off", [0.0, 100.0]),
+        record("ngram", [0.0, 50.0], tokens=[0, 1]),
+        record("anchor", [0.0, 25.0], tokens=[0, 2]),
+    ]
+    summary = summarise(records, ["off", "ngram", "anchor"])
+    assert summary["ratios"]["e_anchor_vs_off"]["0.0"]["all"] == pytest.approx(4.0)
+    assert summary["ratios"]["b_best_speculative_vs_off_t0"]["all"]["best_mode"] == "ngram"
+    assert summary["ratios"]["d_slowest_vs_own_off"]["0.0"]["mode"] == "ngram"
+    assert not summary["lossless"]["anchor"]["checked"]
+    text = render_markdown(summary, [])
+    assert "(e) anchor server ÷ engine off, T=0: s 4.00, all 4.00" in text
+    assert "| anchor | informative (its streamed text, re-tokenised) | 1 | 1 |" in text
+
+
 # -- settings and the command line --------------------------------------------------------------
 
 
 def bench_args(**kw):
     base = dict(modes=None, temperatures=None, max_new_tokens=None, repeats=1, segments=None,
                 seed=0, hf_lookup_tokens=10, no_hf=False, quick=False, formats=None,
-                quality=False)
+                quality=False, anchor_url=None, anchor_model=None)
     return SimpleNamespace(**{**base, **kw})
 
 

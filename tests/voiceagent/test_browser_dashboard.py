@@ -290,16 +290,23 @@ def token_server(stored_call):
 
 
 def test_with_a_token_the_page_asks_for_it_then_works_with_it(chromium, token_server, tmp_path):
-    """The page and its script are public; every API call carries the page URL's ?token=."""
+    """The page and its script are public; it asks for the token, trades it for a session cookie,
+    and no URL it requests carries the token."""
     url, log = token_server
     d = Dashboard(chromium, url, log, tmp_path / "dashboard-token.png")
+    requested: list[str] = []
+    d.page.on("request", lambda r: requested.append(r.url))
     d.page.goto(f"{url}/dashboard")
     d.wait("""() => {
-      const e = document.getElementById("error");
-      return e && !e.hidden && e.textContent.startsWith("unauthorized: add ?token=");
-    }""", "no 'unauthorized: add ?token=...' on the page without a token")
-
-    d.page.goto(f"{url}/dashboard?token={TOKEN}")
+      const box = document.getElementById("signin-box");
+      return !box.hidden && box.querySelector("#signin input[type=password]") !== null;
+    }""", "no sign-in form on the page without a token")
+    d.page.fill("#signin input[type=password]", "wrong")
+    d.page.click("#signin button")
+    d.wait("""() => document.querySelector("#signin label").textContent.includes("refused")""",
+           "a wrong token was not refused")
+    d.page.fill("#signin input[type=password]", TOKEN)
+    d.page.click("#signin button")
     d.wait(f"""() => {{
       const turns = document.querySelector('#overview [data-metric="turns"]');
       const clock3 = document.getElementById("chart-clock3").data || [];
@@ -307,5 +314,10 @@ def test_with_a_token_the_page_asks_for_it_then_works_with_it(chromium, token_se
         && clock3.some((t) => t.y.length > 0)
         && document.getElementById("live").textContent === "live"
         && document.getElementById("error").hidden;
-    }}""", "with ?token= the page did not show the turns, the charts and live")
+    }}""", "after signing in the page did not show the turns, the charts and live")
+    assert not any(TOKEN in u for u in requested)
+    cookies = {c["name"]: c for c in d.page.context.cookies()}
+    assert cookies["voiceagent_session"]["httpOnly"] and TOKEN not in cookies[
+        "voiceagent_session"]["value"]
+    assert TOKEN not in log.read_text()
     d.page.context.close()

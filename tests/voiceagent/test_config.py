@@ -56,9 +56,11 @@ def test_missing_config_file_is_a_clear_error(tmp_path: Path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_token_comes_from_the_environment(monkeypatch):
+def test_secrets_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("VOICEAGENT_TOKEN", "s3cret")
-    assert load_config().server.token == "s3cret"
+    monkeypatch.setenv("TWILIO_AUTH_TOKEN", "tw-auth")
+    cfg = load_config()
+    assert (cfg.server.token, cfg.server.twilio_auth_token) == ("s3cret", "tw-auth")
 
 
 def test_off_means_the_method_named_off_not_false(tmp_path: Path):

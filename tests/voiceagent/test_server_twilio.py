@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from tests.audio.speech import speech
-from tests.voiceagent.serving import server_config, serving
+from tests.voiceagent.serving import server_config, serving, until
 from tests.voiceagent.serving import twilio_url as ws_url
 from voiceagent.twilio_caller import TwilioCaller
 
@@ -90,7 +90,7 @@ async def test_a_call_with_the_token_in_custom_parameters_is_admitted(tmp_path, 
     async with serving(cfg, models) as (app, base):
         async with TwilioCaller(ws_url(base), token="s3cret") as caller:
             await caller.start()
-            assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
+            assert await until(lambda: len(app.state.server.calls.active) == 1, 5)
             assert caller.received.close_code is None
             await caller.hang_up()
 
@@ -109,7 +109,7 @@ async def test_twilio_signature_is_required_when_an_auth_token_is_set(tmp_path, 
         signature = RequestValidator("tw-auth").compute_signature(url, {})
         async with TwilioCaller(url, headers={"X-Twilio-Signature": signature}) as signed:
             await signed.start()
-            assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
+            assert await until(lambda: len(app.state.server.calls.active) == 1, 5)
             await signed.hang_up()
 
 
@@ -123,7 +123,7 @@ async def test_the_signature_is_checked_against_the_public_url(tmp_path, models)
     async with serving(cfg, models) as (app, base):
         async with TwilioCaller(ws_url(base), headers={"X-Twilio-Signature": signature}) as c:
             await c.start()
-            assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
+            assert await until(lambda: len(app.state.server.calls.active) == 1, 5)
             await c.hang_up()
 
 
@@ -131,7 +131,7 @@ async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on
     async with serving(server_config(tmp_path, "server.max_calls=1"), models) as (app, base):
         async with TwilioCaller(ws_url(base)) as first:
             await first.start()
-            assert await _until(lambda: len(app.state.server.calls.active) == 1, 5)
+            assert await until(lambda: len(app.state.server.calls.active) == 1, 5)
             async with TwilioCaller(ws_url(base)) as second:
                 await second.start(stream=False)
                 await second.wait(lambda r: r.close_code is not None, 5)
@@ -170,10 +170,3 @@ async def test_three_simultaneous_calls_each_get_a_reply(tmp_path, models):
         print(f"3 simultaneous calls: clock 3 {[f'{c:.0f} ms' for c in clock3]}, "
               f"client round trips {[f'{r * 1000:.0f} ms' for r in round_trips]}")
 
-
-async def _until(predicate, timeout: float) -> bool:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return True
-        await asyncio.sleep(0.05)
-    return predicate()

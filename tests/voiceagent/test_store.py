@@ -1,12 +1,15 @@
-"""The SQLite turn store: round trips, concurrent writers, durability across a kill."""
+"""The SQLite turn store: round trips, concurrent writers, durability across a kill, a database
+that refuses writes, and retention."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -95,6 +98,7 @@ def test_a_killed_process_loses_no_committed_turn(tmp_path):
         proc.kill()  # SIGKILL: no clean-up of any kind
         proc.wait()
     store = SQLiteTurnStore(db)
+    assert store.flush()  # the journal of the killed process is committed first
     turns = store.turns()
     assert len(turns) >= 40
     assert [t["turn"] for t in turns] == list(range(1, len(turns) + 1))  # no gap, no torn row
@@ -126,3 +130,105 @@ def test_stored_record_reads_back_as_the_same_typed_record(tmp_path):
     back = TurnRecord.from_dict(old)
     assert back.preparation.prepared == 0 and back.breakdown.chunk_to_audio_ms is None
     assert back.clocks.turn_end_to_first_audio_ms == 812.5
+
+
+def _locked(db) -> sqlite3.Connection:
+    """Another connection that holds the database's write lock until rolled back."""
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    return other
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_writes_the_database_refuses_are_retried_counted_and_all_committed(tmp_path):
+    db = tmp_path / "t.sqlite"
+    errors: list[str] = []
+    store = SQLiteTurnStore(db, max_queue=3, on_error=errors.append)
+    store.busy_timeout_s = 0.05
+    other = _locked(db)
+    for n in range(1, 21):  # more than the queue holds: the rest wait in the journal
+        store.write(make_turn("locked", n, float(n)))
+    assert _wait(lambda: store.failing)
+    health = store.health()
+    assert health["queued"] <= 3 and health["journal_bytes"] > 0
+    assert "database is locked" in health["last_error"] and errors
+    other.rollback()
+    other.close()
+    assert store.flush()
+    assert _wait(lambda: store.health()["journal_bytes"] == 0)
+    assert [t["turn"] for t in store.turns()] == list(range(1, 21))
+    assert not store.failing
+    store.close()
+
+
+def test_what_a_closing_store_could_not_write_is_committed_at_the_next_start(tmp_path):
+    db = tmp_path / "t.sqlite"
+    store = SQLiteTurnStore(db)
+    store.busy_timeout_s = 0.05
+    other = _locked(db)
+    store.start_call(CallInfo("c", "twilio", 1.0))
+    store.write(make_turn("c", 1, 2.0))
+    store.end_call("c", 3.0)
+    store.close(timeout=1.0)  # a shutdown that cannot wait for the lock
+    other.rollback()
+    other.close()
+    again = SQLiteTurnStore(db)
+    assert again.flush()
+    found = again.call("c")
+    assert found["call"]["ended_at"] == 3.0 and [t["turn"] for t in found["turns"]] == [1]
+    again.close()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_gone_process_journal_is_committed_and_a_torn_line_or_bad_entry_set_aside(tmp_path):
+    db = tmp_path / "t.sqlite"
+    SQLiteTurnStore(db).close()
+    good = json.dumps({"kind": "turn", "payload": make_turn("j", 1, 1.0).to_dict()})
+    bad = json.dumps({"kind": "turn", "payload": {"call_id": "no other field"}})
+    later = json.dumps({"kind": "turn", "payload": make_turn("j", 2, 2.0).to_dict()})
+    journal = tmp_path / f"t.sqlite.journal-{_dead_pid()}"
+    journal.write_text("\n".join([good, good[: len(good) // 2], bad, later]) + "\n")
+    store = SQLiteTurnStore(db)
+    assert store.flush()
+    assert [t["turn"] for t in store.turns()] == [1, 2]  # the torn line and the bad entry skipped
+    rejected = (tmp_path / "t.sqlite.rejected.jsonl").read_text().splitlines()
+    assert len(rejected) == 1 and "KeyError" in json.loads(rejected[0])["error"]
+    assert store.write_errors == 1 and not store.failing
+    assert _wait(lambda: not journal.exists())  # committed, then deleted
+    store.close()
+
+
+def test_a_running_process_journal_is_left_alone(tmp_path):
+    db = tmp_path / "t.sqlite"
+    other = tmp_path / "t.sqlite.journal-1"  # pid 1 always runs
+    line = json.dumps({"kind": "turn", "payload": make_turn("theirs", 1, 1.0).to_dict()})
+    other.write_text(line + "\n")
+    store = SQLiteTurnStore(db)
+    assert store.flush()
+    assert store.turns() == [] and other.read_text() == line + "\n"
+    store.close()
+
+
+def test_turns_older_than_the_retention_period_are_deleted(tmp_path):
+    db = tmp_path / "t.sqlite"
+    now = time.time()
+    store = SQLiteTurnStore(db)
+    store.start_call(CallInfo("old", "twilio", now - 40 * 86400))
+    store.write(make_turn("old", 1, now - 40 * 86400))
+    store.write(make_turn("new", 1, now - 86400))
+    store.close()
+    kept = SQLiteTurnStore(db, retention_days=30)  # retention runs as the writer starts
+    assert _wait(lambda: [c["call_id"] for c in kept.calls()] == ["new"])
+    assert [t["call_id"] for t in kept.turns()] == ["new"]
+    kept.close()

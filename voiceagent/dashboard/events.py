@@ -14,11 +14,23 @@ QUEUE_SIZE = 256
 
 
 class EventHub:
-    def __init__(self, transcripts: bool = True):
+    def __init__(self, transcripts: bool = True, max_subscribers: int = 16):
         self.transcripts = transcripts
+        self.max_subscribers = max_subscribers
         self._subscribers: set[asyncio.Queue] = set()
 
-    def subscribe(self) -> asyncio.Queue:
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
+    @property
+    def full(self) -> bool:
+        return len(self._subscribers) >= self.max_subscribers
+
+    def subscribe(self) -> asyncio.Queue | None:
+        """A new subscriber's queue; None when `max_subscribers` are already subscribed."""
+        if self.full:
+            return None
         q: asyncio.Queue = asyncio.Queue(QUEUE_SIZE)
         self._subscribers.add(q)
         return q

@@ -60,6 +60,18 @@ class TurnMetrics:
               "1 while the LLM engine's worker thread runs; 0 before the models load, or dead",
               registry=r).set_function(engine_worker_up)
 
+    def watch_engine(self, in_flight: Callable[[], int]) -> None:
+        Gauge("voiceagent_engine_requests_in_flight",
+              "LLM requests submitted and not yet ended (answers and prepared replies)",
+              registry=self.registry).set_function(lambda: float(in_flight()))
+
+    def watch_store(self, health: Callable[[], dict]) -> None:
+        """The turn store's state (its write errors count as errors{kind="store_write"})."""
+        Gauge("voiceagent_store_failing", "1 while the turn store's writes fail (retried)",
+              registry=self.registry).set_function(lambda: float(health()["failing"]))
+        Gauge("voiceagent_store_queued", "Writes waiting for the turn store",
+              registry=self.registry).set_function(lambda: float(health()["queued"]))
+
     def write(self, record: TurnRecord) -> None:
         engine = record.engine or {}
         method = engine.get("method") or "unknown"

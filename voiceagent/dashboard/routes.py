@@ -1,9 +1,10 @@
 """The dashboard's HTTP surface on `serve`: the page, its JSON APIs, live events and /metrics.
 
-All read-only. With `server.token` set every data route here needs it (`Authorization: Bearer`
-or `?token=`, which EventSource and the page URL can carry); the page and its charting library
-hold no data and stay public, so the page can load and ask for the token. Store reads run off the
-event loop.
+All read-only. With `server.token` set every data route here needs it (`Authorization: Bearer`,
+or the session cookie the page gets from `POST /api/session`); the page and its charting library
+hold no data and stay public, so the page can load and ask for the token. Store reads and the
+statistics run off the event loop, over at most `store.max_dashboard_turns` turns; at most
+`server.max_event_subscribers` live-event streams are open at once (503 beyond).
 
 | route | returns |
 | --- | --- |
@@ -33,7 +34,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voiceagent.dashboard.stats import overview, speculation
-from voiceagent.server.auth import presented_token, token_ok
+from voiceagent.server.auth import authorized
 from voiceagent.server.state import ServerState
 
 STATIC = Path(__file__).resolve().parent.parent / "server" / "static"
@@ -44,14 +45,14 @@ def _server(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def authorized(request: Request) -> ServerState:
+def _authorized(request: Request) -> ServerState:
     server = _server(request)
-    if not token_ok(server.cfg.server.token, presented_token(request)):
+    if not authorized(request, server.cfg.server.token):
         raise HTTPException(401, "unauthorized: missing or wrong token")
     return server
 
 
-router = APIRouter(dependencies=[Depends(authorized)])
+router = APIRouter(dependencies=[Depends(_authorized)])
 public = APIRouter()
 Since = Query(None, ge=0, description="unix seconds; only turns/calls started at or after it")
 
@@ -71,21 +72,28 @@ async def plotly_js():
     return FileResponse(path, media_type="text/javascript")
 
 
+async def _off_loop(request: Request, summary, since: float | None) -> dict:
+    """`summary` of the newest turns since `since`, read and computed on a worker thread: the
+    event loop carries live audio."""
+    server = _server(request)
+    limit = server.cfg.store.max_dashboard_turns
+    return await asyncio.to_thread(lambda: summary(server.store.turns(since, limit)))
+
+
 @router.get("/api/overview")
 async def api_overview(request: Request, since: float | None = Since):
-    turns = await asyncio.to_thread(_server(request).store.turns, since)
-    return {"since": since, **overview(turns)}
+    return {"since": since, **await _off_loop(request, overview, since)}
 
 
 @router.get("/api/turns")
 async def api_turns(request: Request, since: float | None = Since,
                     limit: int = Query(2000, ge=1, le=10000)):
-    return {"turns": await asyncio.to_thread(_server(request).store.turns, since, limit)}
+    return await _off_loop(request, lambda turns: {"turns": turns[-limit:]}, since)
 
 
 @router.get("/api/speculation")
 async def api_speculation(request: Request, since: float | None = Since):
-    return speculation(await asyncio.to_thread(_server(request).store.turns, since))
+    return await _off_loop(request, speculation, since)
 
 
 @router.get("/api/calls")
@@ -117,9 +125,18 @@ async def api_pair_card(request: Request):
 @router.get("/api/events")
 async def api_events(request: Request):
     hub = _server(request).events
-    queue = hub.subscribe()
+    if hub.full:
+        raise HTTPException(503, "too many live-event streams open "
+                            f"(at most {hub.max_subscribers})", headers={"Retry-After": "30"})
 
     async def stream():
+        # Subscribed here, inside the generator, so a client gone before the stream starts
+        # leaves no subscriber behind; streams that passed the check above together may find
+        # the hub full by now: they end at once, and EventSource retries.
+        queue = hub.subscribe()
+        if queue is None:
+            yield "retry: 30000\n: too many live-event streams open\n\n"
+            return
         try:
             yield ": live\n\n"
             while not await request.is_disconnected():

@@ -13,6 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Protocol
 
+from loguru import logger
+
 from voiceagent.pipeline.turn_record import TurnRecord
 
 
@@ -66,8 +68,12 @@ class TurnRecords:
         self.by_call[record.call_id].append(record)
         while len(self.by_call) > self.keep_calls:  # dicts keep insertion order: oldest first
             del self.by_call[next(iter(self.by_call))]
-        for sink in self.sinks:
-            sink.write(record)
+        for sink in self.sinks:  # one failing sink must not cost the others the turn
+            try:
+                sink.write(record)
+            except Exception:
+                logger.exception(f"turn {record.call_id}/{record.turn}: {type(sink).__name__} "
+                                 "failed")
 
     def close(self) -> None:
         for sink in self.sinks:

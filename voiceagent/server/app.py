@@ -2,7 +2,11 @@
 
 Models load once, on a background thread, while the server already answers: `/healthz` says 503
 until they are ready, and calls that arrive before then are refused with that reason. It says 503
-again, with the error, if the LLM engine's worker thread dies: no call could be answered.
+again, with the error, if the LLM engine's worker thread dies: no call could be answered; and
+"degraded" (200) while the turn store's writes fail.
+
+Every request passes the Host and Origin guard first (`voiceagent.server.guard`). The pages trade
+the token for a session cookie at `POST /api/session` (`voiceagent.server.auth`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from loguru import logger
@@ -21,7 +25,9 @@ from loguru import logger
 from voiceagent.config import Config
 from voiceagent.dashboard import routes as dashboard
 from voiceagent.pipeline.builder import SharedModels, load_shared
-from voiceagent.server import twilio, webrtc
+from voiceagent.server import openai_api, twilio, webrtc
+from voiceagent.server.auth import SESSION_COOKIE, session_value, token_ok
+from voiceagent.server.guard import HostOriginGuard, json_object
 from voiceagent.server.state import ServerState, new_state
 
 STATIC = Path(__file__).parent / "static"
@@ -51,14 +57,34 @@ def create_app(
 
     app = FastAPI(title="voiceagent", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
+    app.add_middleware(HostOriginGuard, cfg=cfg.server)
+
+    @app.post("/api/session", status_code=204)
+    async def open_session(request: Request, response: Response):
+        """The pages' login: the token in, an HttpOnly cookie out (never the token in a URL)."""
+        token = cfg.server.token
+        body = await json_object(request, cfg.server.max_message_bytes)
+        if token and not token_ok(token, body.get("token")):
+            raise HTTPException(401, "unauthorized: wrong token")
+        if token:
+            https = request.headers.get("x-forwarded-proto", request.url.scheme) == "https"
+            response.set_cookie(SESSION_COOKIE, session_value(token), httponly=True,
+                                samesite="strict", secure=https, max_age=12 * 3600)
+
+    @app.delete("/api/session", status_code=204)
+    async def close_session(response: Response):
+        response.delete_cookie(SESSION_COOKIE)
 
     @app.get("/healthz")
     async def healthz():
         if state.engine_down:
             return JSONResponse({"status": "unhealthy", "error": state.engine_down}, 503)
         if state.ready:
-            return {"status": "ready", "calls": len(state.calls.active),
-                    "max_calls": state.calls.max_calls}
+            store = state.store.health()
+            # Degraded: calls are answered, but turns wait in the journal for the store.
+            return {"status": "degraded" if store["failing"] else "ready",
+                    "calls": len(state.calls.active), "max_calls": state.calls.max_calls,
+                    "store": store}
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 503)
         return JSONResponse({"status": "loading", "step": state.loading_step}, 503)
@@ -71,6 +97,7 @@ def create_app(
     app.include_router(dashboard.router)
     app.include_router(webrtc.router)
     app.include_router(twilio.router)
+    app.include_router(openai_api.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 

@@ -1,8 +1,11 @@
-"""Who may start a call: the shared token, and Twilio's request signature.
+"""Who may use the server: the shared token, a session cookie for the pages, Twilio's signature.
 
 The token (config `server.token` or env VOICEAGENT_TOKEN) is read from `Authorization: Bearer`,
-a `token` query parameter, or, for Twilio, the stream's `customParameters.token`: Twilio's
-`<Stream>` URL may not carry a query string, so TwiML passes it as a `<Parameter>`.
+or, for Twilio, the stream's `customParameters.token`: Twilio's `<Stream>` URL may not carry a
+query string, so TwiML passes it as a `<Parameter>`. It is never read from a URL: URLs end up in
+access logs and browser history. The pages trade it once (`POST /api/session`) for an HttpOnly,
+SameSite=Strict cookie that holds an HMAC of the token, not the token, and that their fetches,
+EventSource and WebSocket requests then carry.
 
 Twilio signs the WebSocket upgrade with X-Twilio-Signature, an HMAC of the URL it requested under
 the account's auth token (https://www.twilio.com/docs/usage/security); twilio's RequestValidator
@@ -12,26 +15,64 @@ names it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
 
 from starlette.requests import HTTPConnection
 from twilio.request_validator import RequestValidator
 
 WS_SCHEME = {"https": "wss", "http": "ws"}  # Twilio signs the wss:// URL of <Stream url>
+SESSION_COOKIE = "voiceagent_session"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def is_public(server) -> bool:
+    """Reachable from elsewhere: bound off loopback, or published (`public_url`: a tunnel or
+    proxy forwards to the loopback port)."""
+    return not is_loopback(server.host) or bool(server.public_url)
+
+
+def _bytes(value: str) -> bytes:
+    # A lone surrogate (JSON allows "\ud800") cannot be UTF-8: it must not match, nor raise.
+    return value.encode("utf-8", "surrogatepass")
 
 
 def presented_token(conn: HTTPConnection, extra: object = None) -> object:
     auth = conn.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
-    return conn.query_params.get("token") or extra
+    return extra
 
 
 def token_ok(expected: str | None, presented: object) -> bool:
     if not expected:
         return True
-    return isinstance(presented, str) and hmac.compare_digest(
-        expected.encode(), presented.encode())
+    return isinstance(presented, str) and hmac.compare_digest(_bytes(expected), _bytes(presented))
+
+
+def session_value(token: str) -> str:
+    """The cookie's value: derived from the token, so the cookie jar never holds the token."""
+    return hmac.new(_bytes(token), b"voiceagent-session-v1", hashlib.sha256).hexdigest()
+
+
+def authorized(conn: HTTPConnection, expected: str | None, extra: object = None) -> bool:
+    """The bearer token (or `extra`) when one is presented, else the session cookie."""
+    if not expected:
+        return True
+    presented = presented_token(conn, extra)
+    if presented is not None:
+        return token_ok(expected, presented)
+    return token_ok(session_value(expected), conn.cookies.get(SESSION_COOKIE))
 
 
 def public_url(conn: HTTPConnection, base: str | None) -> str:

@@ -40,8 +40,11 @@ class CallRegistry:
         self.listeners: list[Callable[[str, ActiveCall], None]] = []
 
     def _tell(self, event: str, call: ActiveCall) -> None:
-        for listener in self.listeners:
-            listener(event, call)
+        for listener in self.listeners:  # the store, metrics, events: each on its own
+            try:
+                listener(event, call)
+            except Exception:
+                logger.exception(f"call {call.call_id}: a '{event}' listener failed")
 
     def reserve(self, kind: str) -> ActiveCall:
         if len(self.active) >= self.max_calls:
@@ -62,8 +65,10 @@ class CallRegistry:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def run(self, call: ActiveCall, task: PipelineWorker) -> None:
-        """Run the call's pipeline until it ends; the slot is freed whatever happens."""
+    async def run(self, call: ActiveCall, task: PipelineWorker,
+                  flush: Callable[[], None] | None = None) -> None:
+        """Run the call's pipeline until it ends; the slot is freed whatever happens. `flush`
+        then records the turn still in progress (the caller hung up during an answer)."""
         call.task = task
         call.runner = asyncio.current_task()
         logger.info(f"call {call.call_id} ({call.kind}) started; {len(self.active)} active")
@@ -77,6 +82,11 @@ class CallRegistry:
             self._tell("failed", call)
         finally:
             self.release(call)
+            if flush is not None:
+                try:
+                    flush()
+                except Exception:
+                    logger.exception(f"call {call.call_id}: recording its last turn failed")
             self._tell("ended", call)
             elapsed = time.time() - call.started
             logger.info(f"call {call.call_id} ended after {elapsed:.1f} s")

@@ -18,6 +18,9 @@ is logged; only that call ends.
 | media, dtmf or mark before start; a second start | 1002 | ... before start / duplicate start |
 | start without streamSid, or not μ-law 8000 Hz mono | 1003 | unsupported media format / ... |
 | media payload that is not base64 | 1007 | media payload is not valid base64 |
+| media payload over `max_media_payload_bytes` | 1009 | media payload too big |
+| media faster than `max_media_speed` x real time | 1008 | media faster than real time |
+| a peer that reads nothing for `send_timeout_s` | 1011 | peer not reading |
 | a streamSid other than the call's | 1002 | streamSid mismatch |
 | `mark` without a name, `dtmf` without a digit | 1007 | mark/dtmf event without ... |
 | `stop` | 1000 | stream stopped |
@@ -25,16 +28,22 @@ is logged; only that call ends.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loguru import logger
 from starlette.websockets import WebSocket, WebSocketState
 
+from voiceagent.config import ServerConfig
+
 EVENTS = {"connected", "start", "media", "dtmf", "mark", "stop"}
 MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
+MULAW_BYTES_PER_S = 8000
 
 
 class ProtocolViolation(Exception):
@@ -62,7 +71,7 @@ def parse(raw: dict, max_bytes: int) -> dict:
         raise ProtocolViolation(1009, f"message too big: {size} > {max_bytes} bytes")
     try:
         message = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # nested deeper than Python recurses
         raise ProtocolViolation(1007, "message is not JSON") from None
     if not isinstance(message, dict) or not isinstance(message.get("event"), str):
         raise ProtocolViolation(1007, "message is not a JSON object with an 'event'")
@@ -90,8 +99,9 @@ def parse_start(message: dict) -> StreamStart:
     return StreamStart(sid, call_sid if isinstance(call_sid, str) else None, params)
 
 
-def check_in_call(message: dict, stream_sid: str) -> None:
-    """A message after `start`: the same stream, and media that decodes."""
+def check_in_call(message: dict, stream_sid: str, max_payload: int = 1 << 30) -> int:
+    """A message after `start`: the same stream, and media that decodes to at most
+    `max_payload` bytes. Returns the bytes of audio it carries."""
     event = message["event"]
     if event in ("start", "connected"):
         raise ProtocolViolation(1002, f"duplicate {event}")
@@ -102,14 +112,36 @@ def check_in_call(message: dict, stream_sid: str) -> None:
         payload = media.get("payload") if isinstance(media, dict) else None
         if not isinstance(payload, str):
             raise ProtocolViolation(1007, "media event without a payload")
+        if len(payload) > 4 * (max_payload // 3 + 1):  # measured before decoding it
+            raise ProtocolViolation(1009, f"media payload too big: over {max_payload} bytes")
         try:
-            base64.b64decode(payload, validate=True)
+            audio = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise ProtocolViolation(1007, "media payload is not valid base64") from None
+        if len(audio) > max_payload:
+            raise ProtocolViolation(1009, f"media payload too big: {len(audio)} > {max_payload}")
+        return len(audio)
     for name, key in (("mark", "name"), ("dtmf", "digit")):
         body = message.get(name)
         if event == name and not (isinstance(body, dict) and isinstance(body.get(key), str)):
             raise ProtocolViolation(1007, f"{name} event without a {key}")
+    return 0
+
+
+class MediaBudget:
+    """A token bucket in seconds of audio: refilled at `speed` x real time, holding at most
+    `burst_s`. A peer that sends faster for longer than the burst allows is refused: it would
+    grow pipecat's input queue without bound."""
+
+    def __init__(self, speed: float, burst_s: float, clock: Callable[[], float] = time.monotonic):
+        self.speed, self.burst_s, self._clock = speed, burst_s, clock
+        self._level, self._at = burst_s, clock()
+
+    def spend(self, audio_s: float) -> bool:
+        now = self._clock()
+        self._level = min(self.burst_s, self._level + (now - self._at) * self.speed) - audio_s
+        self._at = now
+        return self._level >= 0
 
 
 class MediaStreamSocket:
@@ -117,10 +149,14 @@ class MediaStreamSocket:
     checked first. A violation closes the socket with its code and reason and reads as a
     disconnect, so the transport ends the call the way it ends any hang-up."""
 
-    def __init__(self, ws: WebSocket, max_bytes: int, on_refused=None):
+    def __init__(self, ws: WebSocket, limits: ServerConfig, on_refused=None):
         self._ws = ws
-        self._max_bytes = max_bytes
+        self._limits = limits
+        self._max_bytes = limits.max_message_bytes
+        self._budget = MediaBudget(limits.max_media_speed, limits.media_burst_s)
         self._on_refused = on_refused  # called with the close code of every abnormal close
+        self.on_stalled: Callable[[], None] | None = None  # the peer stopped reading
+        self._pending: tuple[int, str | None] = (1000, None)
         self.start: StreamStart | None = None
         self.marks_played = 0  # our marks Twilio echoed: utterances the caller heard to the end
         self.close_reason: tuple[int, str] | None = None
@@ -147,7 +183,11 @@ class MediaStreamSocket:
             return raw
         try:
             message = parse(raw, self._max_bytes)
-            check_in_call(message, self.start.stream_sid)
+            audio = check_in_call(message, self.start.stream_sid,
+                                  self._limits.max_media_payload_bytes)
+            if audio and not self._budget.spend(audio / MULAW_BYTES_PER_S):
+                raise ProtocolViolation(1008, "media faster than real time: "
+                                        f"over {self._limits.max_media_speed:g}x")
         except ProtocolViolation as v:
             await self.close(v.code, v.reason)
             return {"type": "websocket.disconnect", "code": v.code}
@@ -158,8 +198,32 @@ class MediaStreamSocket:
             self.marks_played += 1
         return raw
 
-    async def close(self, code: int = 1000, reason: str | None = None) -> None:
-        """Close once; later calls (the transport's own teardown) do nothing."""
+    async def send_text(self, data: str) -> None:
+        await self._send(self._ws.send_text(data))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self._send(self._ws.send_bytes(data))
+
+    async def _send(self, sending) -> None:
+        """A send that cannot drain within `send_timeout_s` means the peer stopped reading: the
+        call is ended (`on_stalled`) rather than left holding its slot."""
+        try:
+            await asyncio.wait_for(sending, self._limits.send_timeout_s)
+        except asyncio.TimeoutError:
+            if self.close_reason is None and self.on_stalled is not None:
+                self.on_stalled()
+            raise
+
+    def will_close(self, code: int, reason: str) -> None:
+        """The code and reason of the close to come, whoever closes (the transport closes the
+        socket itself when its pipeline is cancelled)."""
+        self._pending = (code, reason)
+
+    async def close(self, code: int | None = None, reason: str | None = None) -> None:
+        """Close once, waiting at most `close_timeout_s` for the peer (one that stopped reading
+        never completes the handshake); later calls (the transport's teardown) do nothing."""
+        if code is None:
+            code, reason = self._pending
         if self.close_reason is not None:
             return
         # A close frame's reason is at most 123 bytes (RFC 6455 5.5); the log keeps it whole.
@@ -173,6 +237,6 @@ class MediaStreamSocket:
             self._on_refused(code)
         if self._ws.application_state == WebSocketState.CONNECTED:
             try:
-                await self._ws.close(code, short)
-            except Exception as exc:  # the peer's close crossed ours, or it vanished
+                await asyncio.wait_for(self._ws.close(code, short), self._limits.close_timeout_s)
+            except Exception as exc:  # the peer's close crossed ours, it vanished, or is stuck
                 logger.debug(f"twilio stream {sid}: close failed: {exc!r}")

@@ -16,6 +16,8 @@ import uvicorn
 from voiceagent.config import Config
 from voiceagent.models import resolve
 from voiceagent.server.app import create_app
+from voiceagent.server.auth import is_public
+from voiceagent.server.guard import redact_access_log
 
 GRACE_S = 5
 
@@ -30,13 +32,47 @@ def preflight(cfg: Config) -> None:
     resolve(cfg.vad.model, "vad")
 
 
+class Exposed(Exception):
+    """Listening off loopback without a token, and the operator did not say they mean it."""
+
+
+def exposure_notes(cfg: Config) -> list[str]:
+    """What the operator must know about who can reach this server; raises Exposed when it
+    would be open to anyone without the operator saying so."""
+    s = cfg.server
+    if not is_public(s):
+        return []
+    where = s.public_url or s.host
+    notes = []
+    if not s.token:
+        if not s.allow_public_without_token:
+            raise Exposed(
+                f"refusing to serve {where} without server.token: anyone who reaches it could "
+                "place calls and read every transcript. Set VOICEAGENT_TOKEN, or pass "
+                "--insecure-public if that is what you mean")
+        notes.append(f"INSECURE: serving {where} without a token (--insecure-public): anyone "
+                     "who reaches it can place calls and read every transcript")
+    if not s.twilio_auth_token:
+        notes.append("INSECURE: Twilio calls are taken unsigned (--insecure-public)"
+                     if s.allow_public_without_token else
+                     "Twilio calls are refused: off loopback they need server.twilio_auth_token "
+                     "(or TWILIO_AUTH_TOKEN) to check Twilio's signature")
+    return notes
+
+
+def _red(text: str) -> str:
+    return f"\033[1;31m{text}\033[0m" if sys.stderr.isatty() else text
+
+
 def uvicorn_config(app, cfg: Config, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
         # Twilio messages are small; this bounds memory before our own per-message check.
         ws_max_size=4 * cfg.server.max_message_bytes,
         timeout_graceful_shutdown=GRACE_S,
     )
+    redact_access_log()  # after uvicorn has configured its loggers
+    return config
 
 
 @asynccontextmanager
@@ -63,6 +99,15 @@ def run_serve(cfg: Config, args) -> int:
         cfg.server.host = args.host
     if args.port:
         cfg.server.port = args.port
+    if getattr(args, "insecure_public", False):
+        cfg.server.allow_public_without_token = True
+    try:
+        notes = exposure_notes(cfg)
+    except Exposed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(_red(note) if note.startswith("INSECURE") else f"note: {note}", file=sys.stderr)
     preflight(cfg)
     host, port = cfg.server.host, cfg.server.port
     failed: list[str] = []
@@ -73,9 +118,6 @@ def run_serve(cfg: Config, args) -> int:
 
     app = create_app(cfg, on_load_failed=on_load_failed)
     server = uvicorn.Server(uvicorn_config(app, cfg, host, port, "info"))
-    if host not in ("127.0.0.1", "localhost", "::1") and not cfg.server.token:
-        print(f"warning: listening on {host} without server.token: anyone who can reach "
-              "this port can place calls", file=sys.stderr)
     print(f"voiceagent: call page http://{host}:{port}/ ; Twilio Media Streams "
           f"ws://{host}:{port}/telephony/twilio ; loading models (GET /healthz says when ready)",
           file=sys.stderr)

@@ -31,8 +31,10 @@ class ServerState:
     loading_step: str = "starting"
     webrtc: SmallWebRTCRequestHandler = field(default_factory=SmallWebRTCRequestHandler)
     webrtc_calls: dict[str, ActiveCall] = field(default_factory=dict)  # by pc_id
-    handshakes: int = 0  # Twilio sockets waiting for their `start`
+    handshakes: dict[str, int] = field(default_factory=dict)  # Twilio sockets before `start`,
+    # by client address
     stopped: bool = False  # lifespan shutdown has run
+    api_handles: set = field(default_factory=set)  # /v1 requests in flight
 
     @property
     def ready(self) -> bool:
@@ -66,8 +68,7 @@ class ServerState:
 
 def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
     calls = CallRegistry(cfg.server.max_calls)
-    store = SQLiteTurnStore(store_path(cfg), transcripts=cfg.store.transcripts)
-    events = EventHub(transcripts=cfg.store.transcripts)
+    events = EventHub(cfg.store.transcripts, cfg.server.max_event_subscribers)
 
     def resident() -> float:
         llm = state.shared.llm if state.shared else None
@@ -78,6 +79,11 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
 
     metrics = TurnMetrics(active_calls=lambda: len(calls.active), resident_bytes=resident,
                           engine_worker_up=worker_up)
+    store = SQLiteTurnStore(
+        store_path(cfg), cfg.store.transcripts, cfg.store.max_queue, cfg.store.retention_days,
+        on_error=lambda _error: metrics.errors.labels("store_write").inc())
+    metrics.watch_store(store.health)
+    metrics.watch_engine(lambda: state.shared.engine.in_flight if state.shared else 0)
     state = ServerState(cfg, calls, store, events, metrics,
                         TurnRecords([store, events, metrics]), shared=shared)
     calls.listeners.append(state.on_call)

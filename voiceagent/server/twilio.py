@@ -23,13 +23,12 @@ from pipecat.transports.websocket.fastapi import (
 )
 
 from voiceagent.pipeline.builder import build_call
-from voiceagent.pipeline.idle import IdleWatchdog
-from voiceagent.server.auth import presented_token, token_ok, twilio_signature_ok
+from voiceagent.pipeline.watchdog import CallWatchdog
+from voiceagent.server.auth import authorized, is_public, presented_token, twilio_signature_ok
 from voiceagent.server.calls import ServerBusy
 from voiceagent.server.media_streams import MediaStreamSocket, ProtocolViolation, StreamStart
 from voiceagent.server.state import ServerState
 
-START_TIMEOUT_S = 10.0  # Twilio sends `start` right after connecting
 PIPELINE_IN_RATE = 16000  # VAD and Whisper run at 16 kHz; the serializer upsamples 8 kHz
 TWILIO_RATE = 8000  # TTS resamples straight to the line rate
 
@@ -62,32 +61,41 @@ async def twilio_stream(ws: WebSocket) -> None:
     limits = server.cfg.server
     await ws.accept()
     errors = server.metrics.errors
-    sock = MediaStreamSocket(ws, limits.max_message_bytes,
+    sock = MediaStreamSocket(ws, limits,
                              on_refused=lambda code: errors.labels(f"ws_close_{code}").inc())
+    if needs_twilio_auth(limits):
+        await sock.close(1008, "Twilio calls to a public server need server.twilio_auth_token")
+        return
     if not twilio_signature_ok(ws, limits.twilio_auth_token, limits.public_url):
         await sock.close(1008, "invalid Twilio signature")
         return
-    early = presented_token(ws)  # a header or query token can be refused before `start`
-    if early is not None and not token_ok(limits.token, early):
+    early = presented_token(ws)  # a header token can be refused before `start`
+    if early is not None and not authorized(ws, limits.token):
         await sock.close(1008, "unauthorized: missing or wrong token")
         return
-    # Sockets that have not yet said who they are: bounded in number and time.
-    if server.handshakes >= 2 * limits.max_calls:
+    # Sockets that have not yet said who they are: bounded per client, in all, and in time.
+    client = ws.client.host if ws.client else "-"
+    if server.handshakes.get(client, 0) >= limits.max_handshakes_per_client:
+        await sock.close(1013, "too many connections from this client waiting to start")
+        return
+    if sum(server.handshakes.values()) >= 4 * limits.max_calls:
         await sock.close(1013, "server busy: too many connections waiting to start")
         return
-    timeout_s = min(START_TIMEOUT_S, limits.idle_timeout_s)
-    server.handshakes += 1
+    timeout_s = min(limits.start_timeout_s, limits.idle_timeout_s)
+    server.handshakes[client] = server.handshakes.get(client, 0) + 1
     try:
         start = await asyncio.wait_for(sock.handshake(), timeout_s)
     except ProtocolViolation as v:
         await sock.close(v.code, v.reason)
         return
     except asyncio.TimeoutError:
-        await sock.close(1000, f"idle timeout: no start within {timeout_s:g} s")
+        await sock.close(1008, f"no start within {timeout_s:g} s")
         return
     finally:
-        server.handshakes -= 1
-    if not token_ok(limits.token, presented_token(ws, start.custom_parameters.get("token"))):
+        server.handshakes[client] -= 1
+        if not server.handshakes[client]:
+            del server.handshakes[client]
+    if not authorized(ws, limits.token, start.custom_parameters.get("token")):
         await sock.close(1008, "unauthorized: missing or wrong token")
         return
     if not server.ready:
@@ -103,6 +111,12 @@ async def twilio_stream(ws: WebSocket) -> None:
     finally:
         server.calls.release(call)
         await sock.close(1000, "call ended")
+
+
+def needs_twilio_auth(limits) -> bool:
+    """A public server refuses unsigned Twilio calls unless the operator allowed them."""
+    return (is_public(limits) and not limits.twilio_auth_token
+            and not limits.allow_public_without_token)
 
 
 async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamStart, call):
@@ -121,27 +135,30 @@ async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamS
             serializer=serializer,
         ),
     )
-    timeout_s = server.cfg.server.idle_timeout_s
+    limits = server.cfg.server
 
     async def end(code: int, reason: str) -> None:
-        await sock.close(code, reason)
+        # The pipeline first: closing waits (boundedly) for a peer that may never read again.
+        sock.will_close(code, reason)
         await pipeline.task.cancel()
+        await sock.close(code, reason)
 
-    def on_idle() -> None:
-        server.calls.spawn(end(1000, f"idle timeout: no audio for {timeout_s:g} s"))
-
+    sock.on_stalled = lambda: server.calls.spawn(
+        end(1011, f"peer not reading: nothing sent for {limits.send_timeout_s:g} s"))
     marks = UtteranceMarks(start.stream_sid)
+    watchdog = CallWatchdog(limits.idle_timeout_s, limits.max_call_s,
+                            lambda reason: server.calls.spawn(end(1000, reason)))
     pipeline = build_call(
         server.cfg, server.shared, transport, server.records.add, call_id=call.call_id,
-        after_input=[IdleWatchdog(timeout_s, on_idle)], before_output=[marks],
+        method=server.cfg.engine.speculation.method, after_input=[watchdog],
+        before_output=[marks],
     )
     @transport.event_handler("on_client_disconnected")
     async def _gone(_transport, _ws):
         await pipeline.task.cancel()
 
     logger.info(f"twilio call {call.call_id}: stream {start.stream_sid}, call {start.call_sid}")
-    await server.calls.run(call, pipeline.task)
-    pipeline.clocks.flush()
+    await server.calls.run(call, pipeline.task, pipeline.clocks.flush)
     logger.info(
         f"twilio call {call.call_id}: {marks.sent} utterance(s) sent, "
         f"{sock.marks_played} heard to the end"

@@ -7,7 +7,6 @@ live transcript and the bot's words; after each turn we add its clocks as an RTV
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import asdict
 
 from fastapi import APIRouter, HTTPException, Request
@@ -23,10 +22,11 @@ from pipecat.transports.smallwebrtc.request_handler import (
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 
 from voiceagent.pipeline.builder import build_call
-from voiceagent.pipeline.idle import IdleWatchdog
 from voiceagent.pipeline.turn_record import TurnRecord
-from voiceagent.server.auth import presented_token, token_ok
+from voiceagent.pipeline.watchdog import CallWatchdog
+from voiceagent.server.auth import authorized
 from voiceagent.server.calls import ActiveCall, ServerBusy
+from voiceagent.server.guard import json_object
 from voiceagent.server.state import ServerState
 
 IN_RATE = 16000  # VAD and Whisper's rate; the transport resamples the browser's 48 kHz
@@ -36,21 +36,9 @@ router = APIRouter()
 
 
 async def _checked_body(request: Request, server: ServerState) -> dict:
-    if not token_ok(server.cfg.server.token, presented_token(request)):
+    if not authorized(request, server.cfg.server.token):
         raise HTTPException(401, "unauthorized: missing or wrong token")
-    limit = server.cfg.server.max_message_bytes
-    body = bytearray()
-    async for chunk in request.stream():  # chunked bodies have no Content-Length to trust
-        body += chunk
-        if len(body) > limit:
-            raise HTTPException(413, f"request too big: over {limit} bytes")
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        raise HTTPException(400, "body is not JSON") from None
-    if not isinstance(data, dict):
-        raise HTTPException(400, "body must be a JSON object")
-    return data
+    return await json_object(request, server.cfg.server.max_message_bytes)
 
 
 @router.post("/api/offer")
@@ -63,6 +51,9 @@ async def offer(request: Request):
         raise HTTPException(400, f"bad offer: {exc}") from None
     if not isinstance(req.sdp, str) or req.type != "offer":
         raise HTTPException(400, "bad offer: need 'sdp' (a string) and type 'offer'")
+    for name, kind in (("pc_id", str), ("restart_pc", bool)):
+        if getattr(req, name) is not None and not isinstance(getattr(req, name), kind):
+            raise HTTPException(400, f"bad offer: '{name}' must be a {kind.__name__}")
     if req.pc_id in server.webrtc_calls:  # renegotiation of a call in progress
         return await _renegotiate(server, req)
     if not server.ready:
@@ -96,6 +87,8 @@ async def offer(request: Request):
 async def ice_candidates(request: Request):
     server: ServerState = request.app.state.server
     data = await _checked_body(request, server)
+    if not isinstance(data.get("pc_id"), str):
+        raise HTTPException(400, "bad candidates: need 'pc_id' (a string)")
     try:
         patch = SmallWebRTCPatchRequest(
             pc_id=data["pc_id"],
@@ -147,13 +140,15 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
         message = RTVIServerMessageFrame(data=turn_message(record))
         server.calls.spawn(pipeline.task.queue_frame(message))
 
-    def on_idle() -> None:
-        logger.info(f"webrtc call {call.call_id}: idle timeout")
+    def on_end(reason: str) -> None:
+        logger.info(f"webrtc call {call.call_id}: {reason}")
         server.calls.spawn(pipeline.task.cancel())
 
+    limits = server.cfg.server
     pipeline = build_call(
         server.cfg, server.shared, transport, on_turn, call_id=call.call_id,
-        after_input=[IdleWatchdog(server.cfg.server.idle_timeout_s, on_idle)], rtvi=True,
+        method=server.cfg.engine.speculation.method,
+        after_input=[CallWatchdog(limits.idle_timeout_s, limits.max_call_s, on_end)], rtvi=True,
     )
 
     @transport.event_handler("on_client_disconnected")
@@ -161,7 +156,8 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
         await pipeline.task.cancel()
 
     call.task = pipeline.task
-    call.runner = asyncio.get_running_loop().create_task(server.calls.run(call, pipeline.task))
+    call.runner = asyncio.get_running_loop().create_task(
+        server.calls.run(call, pipeline.task, pipeline.clocks.flush))
 
 
 def turn_message(record: TurnRecord) -> dict:

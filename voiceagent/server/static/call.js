@@ -220,17 +220,16 @@ function iceGathered(pc) {
   });
 }
 
+class Unauthorized extends Error {}
+
 async function postOffer(offer) {
-  const headers = { "Content-Type": "application/json" };
-  const token = new URLSearchParams(location.search).get("token");
-  if (token) headers.Authorization = `Bearer ${token}`;
   const res = await fetch("/api/offer", {
     method: "POST",
-    headers,
+    headers: { "Content-Type": "application/json" }, // the session cookie goes with it
     body: JSON.stringify({ sdp: offer.sdp, type: offer.type, pc_id: null }),
   });
   if (res.ok) return res.json();
-  if (res.status === 401) throw new Error("unauthorized");
+  if (res.status === 401) throw new Unauthorized("unauthorized");
   let detail = "";
   try {
     const d = (await res.json()).detail;
@@ -286,7 +285,12 @@ async function startCall() {
     if (mine !== attempt) return; // hung up while we waited
     await pc.setRemoteDescription({ sdp: answer.sdp, type: answer.type });
   } catch (err) {
-    if (mine === attempt) hangup(`error: ${err.message || err}`, true);
+    if (mine !== attempt) return;
+    hangup(`error: ${err.message || err}`, true);
+    if (err instanceof Unauthorized) {
+      await askForToken(document.getElementById("signin-box"), "This server needs its token.");
+      startCall();
+    }
   }
 }
 
@@ -313,4 +317,5 @@ function hangup(status = "ended", isError = false) {
 }
 
 ui.call.addEventListener("click", startCall);
+sessionFromFragment();
 ui.hangup.addEventListener("click", () => hangup("ended"));

@@ -60,7 +60,7 @@ const BY_METHOD = [
 const UNITS = { ms: "ms", count: "", pct: "", x2: "", speedup: "" };
 
 const $ = (id) => document.getElementById(id);
-const token = new URLSearchParams(location.search).get("token");
+let signingIn = null; // the sign-in form's promise while it is shown
 
 // ---- small helpers ----------------------------------------------------------------------------
 
@@ -148,7 +148,7 @@ class Unauthorized extends Error {}
 async function api(path, params = {}) {
   const url = new URL(path, location.origin);
   for (const [k, v] of Object.entries(params)) if (v != null) url.searchParams.set(k, v);
-  const res = await fetch(url, { headers: token ? { Authorization: `Bearer ${token}` } : {} });
+  const res = await fetch(url); // same origin: the session cookie goes with it
   if (res.ok) return res.json();
   if (res.status === 401) throw new Unauthorized();
   let detail = "";
@@ -166,8 +166,15 @@ async function api(path, params = {}) {
 function showError(err) {
   const box = $("error");
   if (err instanceof Unauthorized) {
-    box.textContent = "unauthorized: add ?token=... (the server's token) to this page's URL" +
-      (token ? " (the token given was refused)" : "");
+    // The form has its own box: other errors shown meanwhile never replace it.
+    if (!signingIn) {
+      signingIn = askForToken($("signin-box"), "This server needs its token.").then(() => {
+        signingIn = null;
+        run(() => Promise.all([refreshAll(), refreshPairCard()]));
+        connectEvents();
+      });
+    }
+    return;
   } else {
     box.textContent = `error: ${err.message || err}`;
   }
@@ -579,8 +586,12 @@ function setLive(state) {
   live.textContent = { on: "live", reconnecting: "reconnecting…", off: "offline" }[state];
 }
 
+let events = null; // the open EventSource, one at a time
+
 function connectEvents() {
-  const es = new EventSource("/api/events" + (token ? `?token=${encodeURIComponent(token)}` : ""));
+  if (events && events.readyState !== EventSource.CLOSED) return;
+  const es = new EventSource("/api/events");
+  events = es;
   let opened = false;
   es.onopen = () => {
     setLive("on");
@@ -641,4 +652,4 @@ function start() {
   setInterval(refreshSoon, SLIDE_MS);
 }
 
-start();
+sessionFromFragment().finally(start);

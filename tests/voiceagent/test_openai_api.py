@@ -1,0 +1,171 @@
+"""`/v1/chat/completions` and `/v1/models`: OpenAI's request and response shapes, its errors,
+streaming, limits, and cancelling on disconnect. Fast tests run the app with a tiny engine; the
+slow ones drive `voiceagent serve` in another process with the official `openai` client, and
+time it as `bench engine --anchor-url` does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from llm_engine.config import SamplingConfig
+from llm_engine.loading import servable_folder
+from tests.voiceagent.server_proc import running_server
+from tests.voiceagent.serving import server_config, serving
+from tests.voiceagent.tiny_shared import tiny_shared
+from voiceagent.bench_anchor import AnchorError, anchor_runner, connect
+from voiceagent.bench_engine import BenchPrompt
+from voiceagent.config import load_config
+from voiceagent.models import resolve
+
+MODEL = "smollm2-135m-instruct"  # the default config's target: the id /v1 serves
+HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+
+
+@pytest.fixture
+async def tiny_api(tmp_path):
+    """A real server on a loopback port (streams stream) with a tiny random engine."""
+    shared = tiny_shared()
+    async with serving(server_config(tmp_path, "server.token=s3cret"), shared) as (app, base):
+        async with httpx.AsyncClient(base_url=base, timeout=30,
+                                     headers={"Authorization": "Bearer s3cret"}) as http:
+            yield app, http
+    shared.close()
+
+
+async def test_models_lists_the_target_and_needs_the_token(tiny_api):
+    _app, http = tiny_api
+    listed = (await http.get("/v1/models")).json()
+    refused = await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    assert [m["id"] for m in listed["data"]] == [MODEL]
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+
+
+async def test_a_completion_has_openai_shape_usage_and_the_engine_stats(tiny_api):
+    _app, http = tiny_api
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 5, "temperature": 0}
+    got = (await http.post("/v1/chat/completions", json=body)).json()
+    choice = got["choices"][0]
+    assert got["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("length", "stop")
+    assert got["usage"]["completion_tokens"] == got["voiceagent"]["generated_tokens"] <= 5
+    assert got["usage"]["total_tokens"] == got["usage"]["prompt_tokens"] + got["usage"][
+        "completion_tokens"]
+    assert got["voiceagent"]["method"]  # the extension: speculation stats per request
+
+
+async def test_a_stream_sends_role_then_text_then_finish_usage_and_done(tiny_api):
+    _app, http = tiny_api
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 6, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and "voiceagent" in finish[0]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 6
+
+
+@pytest.mark.parametrize("change,status,param", [
+    ({"model": "gpt-4o"}, 404, "model"),
+    ({"tools": [{"type": "function"}]}, 400, "tools"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"n": 2}, 400, "n"),
+    ({"temperature": 3}, 400, "temperature"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+])
+async def test_what_is_not_supported_is_a_clear_error(tiny_api, change, status, param):
+    _app, http = tiny_api
+    response = await http.post("/v1/chat/completions",
+                               json={"model": MODEL, "messages": HELLO, **change})
+    error = response.json()["error"]
+    assert response.status_code == status and error["param"] == param and error["message"]
+
+
+async def test_requests_over_the_limit_are_429(tiny_api):
+    app, http = tiny_api
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "stream": True}
+    async with http.stream("POST", "/v1/chat/completions", json=body), \
+            http.stream("POST", "/v1/chat/completions", json=body):
+        third = await http.post("/v1/chat/completions", json=body)
+    assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+
+
+# -- against `voiceagent serve` in another process -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("v1")
+    with running_server("--set", f"paths.runs_dir={tmp}", "--set", "server.max_api_requests=4",
+                        log_path=tmp / "serve.log") as url:
+        yield url
+
+
+@pytest.mark.slow
+def test_the_openai_client_streams_with_usage_stops_and_reproduces_a_seed(served):
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage.completion_tokens > 0
+    first_word = text.split()[0]
+    stopped = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24,
+                                             temperature=0, stop=[first_word])
+    assert first_word not in stopped.choices[0].message.content
+    assert stopped.choices[0].finish_reason == "stop"
+    seeded = [client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=16,
+                                             temperature=0.8, seed=7).choices[0].message.content
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+@pytest.mark.slow
+async def test_a_client_that_goes_away_cancels_its_request(served):
+    async with httpx.AsyncClient(base_url=served, timeout=30) as http:
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 400, "stream": True}
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if '"content"' in line:
+                    break  # one token seen: hang up
+
+        async def in_flight() -> float:
+            metrics = (await http.get("/metrics")).text
+            return next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("voiceagent_engine_requests_in_flight"))
+
+        values = []
+        for _ in range(100):
+            values.append(await in_flight())
+            if values[-1] == 0:
+                break
+            await asyncio.sleep(0.1)
+    assert values[-1] == 0, values  # 400 tokens would take ~10 s: it was cancelled
+
+
+@pytest.mark.slow
+def test_the_bench_anchor_times_an_openai_compatible_server(served):
+    cfg = load_config()
+    folder = servable_folder(resolve(cfg.engine.target, "llm").location, cfg.paths.cache_dir,
+                             lambda _: None)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with pytest.raises(AnchorError, match="does not serve 'nope'"):
+        connect(f"{served}/v1", "nope")
+    client, model = connect(f"{served}/v1", None)
+    run = anchor_runner(client, model, tokenizer)
+    got = run(BenchPrompt([], HELLO), SamplingConfig(max_new_tokens=16))
+    times = got["token_times_ms"]
+    assert model == MODEL and 0 < len(got["token_ids"]) <= 17
+    assert len(times) == len(got["token_ids"]) and times == sorted(times) and times[0] > 0
+    assert got["finish_reason"] in ("eos", "length")

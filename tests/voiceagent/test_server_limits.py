@@ -1,0 +1,155 @@
+"""Bounded resources on a live server: media size and rate, call length, peers that vanish or stop
+reading lose their slot within the configured bound, and the last turn of every call is kept."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+import struct
+import time
+
+import pytest
+from pipecat.frames.frames import EndFrame
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineWorker
+from pipecat.processors.filters.identity_filter import IdentityFilter
+from starlette.websockets import WebSocketState
+
+from tests.voiceagent.serving import server_config, serving, twilio_url, until
+from voiceagent.server.calls import ActiveCall, CallRegistry
+from voiceagent.server.media_streams import MediaStreamSocket
+from voiceagent.twilio_caller import TwilioCaller
+
+
+@pytest.mark.slow
+async def test_media_faster_than_real_time_is_refused_with_1008(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (app, base):
+        async with TwilioCaller(twilio_url(base)) as caller:
+            await caller.start(stream=False)
+            for n in range(200):  # 4 s of audio at once: twice the 2 s burst
+                await caller.media(b"\xff" * 160, chunk_no=n)
+            await caller.wait(lambda r: r.close_code is not None, 10)
+        assert caller.received.close_code == 1008
+        assert caller.received.close_reason.startswith("media faster than real time")
+        assert await until(lambda: not app.state.server.calls.active, 5)
+
+
+@pytest.mark.slow
+async def test_an_oversized_media_payload_is_closed_with_1009(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (_app, base):
+        async with TwilioCaller(twilio_url(base)) as caller:
+            await caller.start(stream=False)
+            await caller.media(b"\xff" * 4000)  # Twilio sends 160 bytes; the limit is 1600
+            await caller.wait(lambda r: r.close_code is not None, 10)
+    assert caller.received.close_code == 1009
+    assert caller.received.close_reason.startswith("media payload too big")
+
+
+@pytest.mark.slow
+async def test_a_call_is_ended_at_its_length_limit(tmp_path, models):
+    async with serving(server_config(tmp_path, "server.max_call_s=2"), models) as (app, base):
+        async with TwilioCaller(twilio_url(base)) as caller:
+            t0 = time.monotonic()
+            await caller.start()  # streams silence: never idle
+            await caller.wait(lambda r: r.close_code is not None, 15)
+            lasted = time.monotonic() - t0
+        assert (caller.received.close_code, caller.received.close_reason) == (
+            1000, "call length limit: 2 s")
+        assert lasted < 2 + 3
+        assert await until(lambda: not app.state.server.calls.active, 5)
+
+
+class RawPeer:
+    """A Media Streams peer on a bare socket: it sends what it is told and never reads, and never
+    answers a close: a phone leg whose network died, or a client that stopped reading."""
+
+    def __init__(self, url: str):
+        host, _, rest = url.removeprefix("ws://").partition("/")
+        self.host, port = host.split(":")
+        self.port, self.path = int(port), "/" + rest
+        self.sock: socket.socket | None = None
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self.host, self.port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            f"GET {self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += self.sock.recv(1)  # only the handshake is read, byte by byte
+        assert reply.startswith(b"HTTP/1.1 101"), reply
+
+    def send_text(self, text: str) -> None:
+        data, mask = text.encode(), os.urandom(4)
+        n = len(data)
+        header = struct.pack("!BB", 0x81, 0x80 | n) if n < 126 else struct.pack(
+            "!BBH", 0x81, 0x80 | 126, n)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+        self.sock.sendall(header + mask + masked)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.slow
+async def test_a_vanished_peer_loses_its_slot_within_the_bound(tmp_path, models):
+    cfg = server_config(tmp_path, "server.idle_timeout_s=1", "server.close_timeout_s=1")
+    async with serving(cfg, models) as (app, base):
+        peer = RawPeer(twilio_url(base))
+        await asyncio.to_thread(peer.connect)
+        start = {"event": "start", "streamSid": "MZvanished", "start": {
+            "streamSid": "MZvanished", "callSid": "CAvanished",
+            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}
+        peer.send_text(json.dumps(start))
+        calls = app.state.server.calls
+        assert await until(lambda: len(calls.active) == 1, 5)
+        # then silence, and nothing read: the slot must be free within idle + close timeouts
+        # (and a second of slack)
+        freed = await until(lambda: not calls.active, 1 + 1 + 1)
+        peer.close()
+    assert freed
+
+
+class StuckPeer:
+    """The far side of a WebSocket whose buffers are full: a send or close never completes."""
+
+    application_state = WebSocketState.CONNECTED
+
+    async def send_text(self, _data: str) -> None:
+        await asyncio.Event().wait()
+
+    async def close(self, _code: int, _reason: str) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_peer_that_stops_reading_is_ended_after_the_send_timeout(tmp_path):
+    limits = server_config(tmp_path, "server.send_timeout_s=0.2",
+                           "server.close_timeout_s=0.2").server
+    sock = MediaStreamSocket(StuckPeer(), limits)
+    stalled = []
+    sock.on_stalled = lambda: stalled.append(time.monotonic())
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):
+        await sock.send_text('{"event": "media"}')
+    await asyncio.wait_for(sock.close(1011, "peer not reading"), 2)  # bounded, not stuck
+    assert len(stalled) == 1 and stalled[0] - t0 < 1
+    assert time.monotonic() - t0 < 1.5
+
+
+async def test_the_last_turn_is_recorded_when_a_call_ends_before_its_answer_does():
+    registry = CallRegistry(max_calls=1)
+    events: list[str] = []
+    registry.listeners.append(lambda event, _call: events.append(event))
+    call = registry.reserve("webrtc")
+    task = PipelineWorker(Pipeline([IdentityFilter()]))
+    running = asyncio.create_task(registry.run(call, task, lambda: events.append("flushed")))
+    await asyncio.sleep(0.2)
+    await task.queue_frame(EndFrame())
+    await asyncio.wait_for(running, 10)
+    assert events == ["started", "flushed", "ended"]
+    assert isinstance(call, ActiveCall) and not registry.active

@@ -1,0 +1,107 @@
+"""`voiceagent bench serve --knee`: the capacity knee (seed 001: "test the capacity knee").
+
+1, 2, 3 ... N simulated Twilio callers at once, speculation off and on, each a conversation of
+`turns` questions at real-time pace, started a little apart as real callers are. Per N: clock 3
+p50/p95, ITL p95, calls refused by the admission limit (`server.max_calls`, close 1013), and how
+many conversations stayed within the latency threshold (every turn's clock 3 under it). The knee
+is the largest N at which at least `KEEP_SHARE` of the conversations stayed within it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from voiceagent.bench_report import percentile
+from voiceagent.config import Config
+from voiceagent.server.serve import serving_in_process
+from voiceagent.twilio_caller import TwilioCaller
+
+KEEP_SHARE = 0.9
+STAGGER_S = 0.3  # between callers' starts
+REPLY_TIMEOUT_S = 120
+
+
+async def conversation(url: str, audio: list, offset_s: float) -> str:
+    """One caller: 'done', 'refused' (1013) or 'failed' (no reply in time)."""
+    await asyncio.sleep(offset_s)
+    async with TwilioCaller(url) as caller:
+        await caller.start()
+        await asyncio.sleep(0.5)
+        for speech in audio:
+            said = await caller.say(speech)
+            replied = await caller.wait(lambda r, t=said.ended: r.media_after(t) is not None
+                                        or r.close_code is not None, REPLY_TIMEOUT_S)
+            if caller.received.close_code == 1013:
+                return "refused"
+            if not replied or caller.received.close_code is not None:
+                return "failed"
+            await caller.wait(lambda r, t=said.ended: any(m >= t for m, _ in r.marks), 30)
+        await caller.hang_up()
+    return "done"
+
+
+async def knee(cfg: Config, shared, audio: list, callers: list[int], methods: list[str],
+               threshold_ms: float, say) -> dict:
+    levels = []
+    for method in methods:
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.engine.speculation.method = method
+        async with serving_in_process(run_cfg, shared) as (app, base):
+            url = base.replace("http://", "ws://") + "/telephony/twilio"
+            records = app.state.server.records
+            await conversation(url, audio[:1], 0)  # warm-up, not counted
+            for n in callers:
+                say(f"knee: {method}, {n} caller(s) at once")
+                before = set(records.by_call)
+                outcomes = await asyncio.gather(*(
+                    conversation(url, audio, i * STAGGER_S) for i in range(n)))
+                calls = [records.by_call[c] for c in records.by_call if c not in before]
+                levels.append(level(method, n, outcomes, calls, threshold_ms))
+    return {"threshold_ms": threshold_ms, "max_calls": cfg.server.max_calls,
+            "turns": len(audio), "levels": levels,
+            "knee": {m: knee_of([lv for lv in levels if lv["method"] == m]) for m in methods}}
+
+
+def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: float) -> dict:
+    clock3 = [t.clocks.turn_end_to_first_audio_ms for turns in calls for t in turns]
+    itl95 = [t.clocks.itl_ms.p95 for turns in calls for t in turns if t.clocks.itl_ms.p95]
+    within = sum(1 for turns in calls if turns and all(
+        t.clocks.turn_end_to_first_audio_ms is not None
+        and t.clocks.turn_end_to_first_audio_ms <= threshold_ms for t in turns))
+    return {
+        "method": method, "callers": n, "refused": outcomes.count("refused"),
+        "failed": outcomes.count("failed"), "admitted": n - outcomes.count("refused"),
+        "within": within,
+        "clock3_p50_ms": percentile([c for c in clock3 if c is not None], 50),
+        "clock3_p95_ms": percentile([c for c in clock3 if c is not None], 95),
+        "itl_p95_ms": percentile(itl95, 95),
+    }
+
+
+def knee_of(levels: list[dict]) -> int:
+    """The most callers at once at which at least KEEP_SHARE of the admitted conversations
+    stayed within the threshold and none failed; 0 if no level did."""
+    good = [lv["callers"] for lv in levels
+            if lv["admitted"] and not lv["failed"]
+            and lv["within"] >= KEEP_SHARE * lv["admitted"]]
+    return max(good, default=0)
+
+
+def render_knee(r: dict) -> str:
+    def ms(v):
+        return "–" if v is None else f"{v:.0f}"
+
+    lines = [f"Threshold: clock 3 ≤ {r['threshold_ms']:.0f} ms on every turn of a "
+             f"{r['turns']}-turn conversation; admission limit server.max_calls = "
+             f"{r['max_calls']}.", "",
+             "| method | callers at once | admitted | refused | failed | clock 3 p50 | "
+             "clock 3 p95 | ITL p95 | within threshold |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for lv in r["levels"]:
+        lines.append(f"| {lv['method']} | {lv['callers']} | {lv['admitted']} | {lv['refused']} | "
+                     f"{lv['failed']} | {ms(lv['clock3_p50_ms'])} | {ms(lv['clock3_p95_ms'])} | "
+                     f"{ms(lv['itl_p95_ms'])} | {lv['within']}/{lv['admitted']} |")
+    lines += ["", "Knee (most callers at once with ≥ "
+              f"{KEEP_SHARE:.0%} of conversations within the threshold): "
+              + ", ".join(f"{m} {k}" for m, k in r["knee"].items())]
+    return "\n".join(lines)
