@@ -12,10 +12,12 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _no_secrets_from_the_environment(monkeypatch):
-    """A developer's exported VOICEAGENT_TOKEN or TWILIO_AUTH_TOKEN must not change what the
-    tests' servers require (tests that need a token set it themselves)."""
-    monkeypatch.delenv("VOICEAGENT_TOKEN", raising=False)
-    monkeypatch.delenv("TWILIO_AUTH_TOKEN", raising=False)
+    """A developer's exported settings (VOICEAGENT_TOKEN, TWILIO_AUTH_TOKEN, VOICEAGENT_..__..)
+    must not change what the tests' servers do (tests that need one set it themselves)."""
+    for name in list(os.environ):
+        if name in ("VOICEAGENT_TOKEN", "TWILIO_AUTH_TOKEN") or (
+                name.startswith("VOICEAGENT_") and "__" in name):  # any config key
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture(scope="session")

@@ -142,8 +142,24 @@ def config_hash(cfg: Config) -> str:
     return hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
 
 
+ENV_PREFIX = "VOICEAGENT_"
+
+
+def env_overrides(environ=os.environ) -> list[tuple[str, str]]:
+    """(variable, `key=value`) for every `VOICEAGENT_SECTION__KEY[__KEY...]` variable: any
+    config key from the environment, e.g. VOICEAGENT_ENGINE__SPECULATION__METHOD=off. Only names
+    with `__` count, so VOICEAGENT_TOKEN and other plain names are not config paths."""
+    found = []
+    for name, value in sorted(environ.items()):
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            path = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            found.append((name, f"{path}={value}"))
+    return found
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (the CPU default when None), apply `key=value` overrides, validate."""
+    """Read a YAML config (the CPU default when None), then the environment's settings
+    (`env_overrides`), then `key=value` overrides (`--set`), and validate."""
     path = Path(path) if path else DEFAULT_CONFIG
     try:
         data = yaml.load(path.read_text(), Loader=YamlLoader) or {}
@@ -153,6 +169,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for name, item in env_overrides():
+        try:
+            apply_override(data, item)
+        except ConfigError as exc:
+            raise ConfigError(f"environment variable {name}: {exc}") from None
     for item in overrides or []:
         apply_override(data, item)
     server = data.setdefault("server", {}) or {}

@@ -63,6 +63,22 @@ def test_secrets_come_from_the_environment(monkeypatch):
     assert (cfg.server.token, cfg.server.twilio_auth_token) == ("s3cret", "tw-auth")
 
 
+def test_any_key_comes_from_the_environment_and_set_wins_over_it(monkeypatch):
+    monkeypatch.setenv("VOICEAGENT_ENGINE__SPECULATION__METHOD", "off")
+    monkeypatch.setenv("VOICEAGENT_SERVER__MAX_CALLS", "3")
+    monkeypatch.setenv("VOICEAGENT_SERVER__ALLOWED_ORIGINS", "[https://ops.example]")
+    cfg = load_config()
+    assert cfg.engine.speculation.method == "off" and cfg.server.max_calls == 3
+    assert cfg.server.allowed_origins == ["https://ops.example"]
+    assert load_config(None, ["server.max_calls=2"]).server.max_calls == 2
+
+
+def test_an_unknown_key_from_the_environment_names_its_variable(monkeypatch):
+    monkeypatch.setenv("VOICEAGENT_SERVER__MAX_CALS", "3")
+    with pytest.raises(ConfigError, match="VOICEAGENT_SERVER__MAX_CALS"):
+        load_config()
+
+
 def test_off_means_the_method_named_off_not_false(tmp_path: Path):
     cfg = load_config(None, ["engine.speculation.method=off"])
     assert cfg.engine.speculation.method == "off"
