@@ -169,3 +169,29 @@ def test_the_bench_anchor_times_an_openai_compatible_server(served):
     assert model == MODEL and 0 < len(got["token_ids"]) <= 17
     assert len(times) == len(got["token_ids"]) and times == sorted(times) and times[0] > 0
     assert got["finish_reason"] in ("eos", "length")
+
+
+@pytest.mark.slow
+async def test_pipecats_openai_service_talks_to_v1(served):
+    """pipecat's own OpenAI LLM service, pointed at our endpoint, streams a reply as text frames
+    between the response start and end frames, as it does against OpenAI or vLLM."""
+    from pipecat.frames.frames import (
+        LLMContextFrame,
+        LLMFullResponseEndFrame,
+        LLMFullResponseStartFrame,
+        LLMTextFrame,
+    )
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.services.openai.llm import OpenAILLMService
+    from pipecat.tests.utils import run_test
+
+    llm = OpenAILLMService(api_key="unused", base_url=f"{served}/v1",
+                           settings=OpenAILLMService.Settings(model=MODEL, max_tokens=16))
+    context = LLMContext(messages=[{"role": "user", "content": "Say hello."}])
+    down, _up = await asyncio.wait_for(
+        run_test(llm, frames_to_send=[LLMContextFrame(context=context)]), 60)
+    kinds = [type(f) for f in down]
+    text = "".join(f.text for f in down if isinstance(f, LLMTextFrame))
+    assert text.strip()
+    assert kinds.index(LLMFullResponseStartFrame) < kinds.index(LLMTextFrame) < kinds.index(
+        LLMFullResponseEndFrame)
