@@ -72,11 +72,13 @@ async def plotly_js():
     return FileResponse(path, media_type="text/javascript")
 
 
-async def _off_loop(request: Request, summary, since: float | None) -> dict:
-    """`summary` of the newest turns since `since`, read and computed on a worker thread: the
-    event loop carries live audio."""
+async def _off_loop(request: Request, summary, since: float | None,
+                    limit: int | None = None) -> dict:
+    """`summary` of the newest turns since `since` (at most `limit` and
+    `store.max_dashboard_turns`), read and computed on a worker thread: the event loop carries
+    live audio."""
     server = _server(request)
-    limit = server.cfg.store.max_dashboard_turns
+    limit = min(limit or server.cfg.store.max_dashboard_turns, server.cfg.store.max_dashboard_turns)
     return await asyncio.to_thread(lambda: summary(server.store.turns(since, limit)))
 
 
@@ -88,7 +90,7 @@ async def api_overview(request: Request, since: float | None = Since):
 @router.get("/api/turns")
 async def api_turns(request: Request, since: float | None = Since,
                     limit: int = Query(2000, ge=1, le=10000)):
-    return await _off_loop(request, lambda turns: {"turns": turns[-limit:]}, since)
+    return await _off_loop(request, lambda turns: {"turns": turns}, since, limit)
 
 
 @router.get("/api/speculation")

@@ -208,8 +208,10 @@ class MediaStreamSocket:
         """A send that cannot drain within `send_timeout_s` means the peer stopped reading: the
         call is ended (`on_stalled`) rather than left holding its slot."""
         try:
-            await asyncio.wait_for(sending, self._limits.send_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: no task made per frame on the audio path.
+            async with asyncio.timeout(self._limits.send_timeout_s):
+                await sending
+        except TimeoutError:
             if self.close_reason is None and self.on_stalled is not None:
                 self.on_stalled()
             raise
