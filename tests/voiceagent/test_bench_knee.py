@@ -1,0 +1,31 @@
+"""`bench serve --knee`: the knee is the most callers at once that kept their conversations
+within the threshold, refused callers not counted against it."""
+
+from __future__ import annotations
+
+from tests.voiceagent.turns import make_turn
+from voiceagent.bench_knee import knee_of, level, render_knee
+
+
+def _level(n: int, within: int, refused: int = 0, failed: int = 0) -> dict:
+    admitted = n - refused
+    return {"method": "ngram", "callers": n, "admitted": admitted, "refused": refused,
+            "failed": failed, "within": within, "clock3_p50_ms": 1.0, "clock3_p95_ms": 1.0,
+            "itl_p95_ms": 1.0}
+
+
+def test_the_knee_is_the_most_callers_that_stayed_within_the_threshold():
+    levels = [_level(1, 1), _level(2, 2), _level(3, 2), _level(4, 2, refused=1)]
+    assert knee_of(levels) == 2  # 3 callers: 2 of 3 within; 4: 2 of the 3 admitted
+    assert knee_of([*levels[:3], _level(4, 3, refused=1)]) == 4  # the refused one not counted
+    assert knee_of([_level(1, 0)]) == 0
+    assert knee_of([_level(1, 1), _level(2, 2, failed=1)]) == 1  # a failed call is never ok
+
+
+def test_a_level_counts_a_conversation_within_only_if_every_turn_is():
+    fast, slow = make_turn("a", 1, clock3_ms=900.0), make_turn("b", 1, clock3_ms=1600.0)
+    got = level("off", 3, ["done", "done", "refused"], [[fast], [fast, slow]], 1500.0)
+    assert (got["admitted"], got["refused"], got["within"]) == (2, 1, 1)
+    assert "| off | 3 | 2 | 1 | 0 |" in render_knee(
+        {"threshold_ms": 1500.0, "max_calls": 2, "turns": 2, "levels": [got],
+         "knee": {"off": 0}})
