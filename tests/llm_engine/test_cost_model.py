@@ -24,9 +24,13 @@ def test_drafting_is_measured_through_each_proposers_own_interface(target, draft
         for name, model in (("ngram", None), ("draft", draft), ("eagle", head))
     }
     assert all(c.fixed_ms >= 0 and c.per_token_ms >= 0 for c in costs.values())
-    # A model forward per drafted token costs more than a lookup in a table.
-    assert costs["draft"].per_token_ms > costs["ngram"].per_token_ms
-    assert costs["eagle"].per_token_ms > costs["ngram"].per_token_ms
+    # Four model forwards cost more than lookups in a table. Compared as whole drafts of 4: the
+    # split into fixed and per-token parts is a fit of two noisy timings on a shared machine.
+    def four(c):
+        return c.fixed_ms + 4 * c.per_token_ms
+
+    assert four(costs["draft"]) > four(costs["ngram"])
+    assert four(costs["eagle"]) > four(costs["ngram"])
 
 
 def test_the_engine_measures_every_proposer_it_can_build(target, tokenizer, draft):
