@@ -7,7 +7,7 @@ time to first token and each inter-token latency.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -114,6 +114,15 @@ class RequestStats:
             verify_ms=self.verify_ms,
         )
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RequestStats:
+        """The inverse of `to_dict` (its derived keys are ignored): stats that travelled as JSON,
+        e.g. from another process's OpenAI-compatible API."""
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in data.items() if k in names}
+        known["steps"] = [StepStats(**s) for s in known.get("steps", [])]
+        return cls(**known)
 
 
 @dataclass

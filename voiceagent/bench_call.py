@@ -3,7 +3,9 @@
 Seed 001's bounded comparison: freeze the workload, measure with the feature on and off. A variant
 is a speculation method with optional features, `METHOD[+prepare][+smart_turn]`: early response
 preparation and the Smart Turn stop strategy on (a feature left out of the name is off), and
-optional config overrides after colons (`off:vad.stop_secs=0.3`). Each
+optional config overrides after colons (`off:vad.stop_secs=0.3`). `--backend NAME=URL` adds a
+remote OpenAI-compatible server (vLLM, SGLang, another `serve`) as the LLM of the variants whose
+METHOD is NAME, so in-process and remote engines, speculation off and on, run in one table. Each
 scripted call runs once per variant, variants interleaved call by call, so machine noise falls on
 all. Reported per variant: turn end -> first audio (clock 3) p50/p95, request -> first token
 (clock 1), ITL (clock 2) p50, barge-in -> bot silent, the median breakdown, and preparation:
@@ -13,6 +15,7 @@ committed and discarded replies and the wasted work as a share of the work that 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +27,11 @@ from audio.loaders import load_piper
 from audio.synth import silence, synthesize
 from voiceagent.bench_report import save_results, utc_stamp
 from voiceagent.call import RATE, simulate_call
-from voiceagent.config import REPO_ROOT, Config, apply_override
+from voiceagent.config import REPO_ROOT, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.models import resolve
-from voiceagent.pipeline.builder import load_shared
+from voiceagent.pipeline.builder import SharedModels, load_shared
+from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 
 DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v2.yaml"
 DEFAULT_VARIANTS = "off,ngram,off+prepare,ngram+prepare"
@@ -114,10 +118,40 @@ def render(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-async def _run(cfg: Config, script: dict, variants: list[Variant],
-               repeats: int) -> dict[str, list]:
+def parse_backends(specs: list[str] | None) -> dict[str, str]:
+    """`NAME=URL` items of `--backend` -> {name: base URL}."""
+    backends = {}
+    for spec in specs or []:
+        name, sep, url = spec.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--backend {spec!r}: expected NAME=URL, e.g. "
+                             "vllm=http://127.0.0.1:8000/v1")
+        backends[name] = url
+    return backends
+
+
+def connect_backends(cfg: Config, backends: dict[str, str]) -> dict[str, RemoteChat]:
+    """Each remote server checked (it answers, it serves the model), named for the table."""
+    return {name: connect(LLMConfig(backend="openai", base_url=url, name=name,
+                                    model=cfg.llm.model, api_key_env=cfg.llm.api_key_env,
+                                    timeout_s=cfg.llm.timeout_s), cfg.engine.sampling)
+            for name, url in backends.items()}
+
+
+def _load(cfg: Config, variants: list[Variant], remotes: dict[str, RemoteChat],
+          say) -> SharedModels:
+    """The in-process engine only when a variant runs on it (with the drafts they use)."""
+    local = [v.method for v in variants if v.method not in remotes]
+    if local:
+        return load_shared(cfg.model_copy(update={"llm": LLMConfig()}), say, also=local)
+    first = next(iter(remotes.values()))
+    return load_shared(cfg.model_copy(update={"llm": first.cfg}), say)
+
+
+async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
+               remotes: dict[str, RemoteChat]) -> dict[str, list]:
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress on stderr
-    shared = load_shared(cfg, say, also=[v.method for v in variants])
+    shared = _load(cfg, variants, remotes, say)
     voice = load_piper(resolve(cfg.tts.voice, "tts").location)
     turns: dict[str, list] = {v.name: [] for v in variants}
     try:
@@ -130,7 +164,10 @@ async def _run(cfg: Config, script: dict, variants: list[Variant],
                     call_cfg.engine.sampling.max_new_tokens = 160
                 order = variants if (r + i) % 2 == 0 else variants[::-1]
                 for v in order:
-                    result = await simulate_call(v.configure(call_cfg), shared, audio,
+                    models = shared
+                    if v.method in remotes:
+                        models = dataclasses.replace(shared, chat=remotes[v.method])
+                    result = await simulate_call(v.configure(call_cfg), models, audio,
                                                  method=v.method)
                     say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)")
                     turns[v.name] += [dict(t.to_dict(), script_call=call["name"])
@@ -143,16 +180,26 @@ async def _run(cfg: Config, script: dict, variants: list[Variant],
 def run_call_bench(cfg: Config, args) -> int:
     script_path = Path(args.script or DEFAULT_SCRIPT)
     script = yaml.safe_load(script_path.read_text())
-    modes = [m.strip() for m in (args.modes or DEFAULT_VARIANTS).split(",") if m.strip()]
+    backends = parse_backends(args.backend)
+    default = ",".join(["off", "ngram", *backends]) if backends else DEFAULT_VARIANTS
+    modes = [m.strip() for m in (args.modes or default).split(",") if m.strip()]
     variants = [Variant.parse(m) for m in modes]
     for v in variants:
         v.configure(cfg)  # a bad override fails now, not after the models have loaded
-    turns = asyncio.run(_run(cfg, script, variants, args.repeats))
+    try:
+        remotes = connect_backends(cfg, backends)
+    except RemoteLLMError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    turns = asyncio.run(_run(cfg, script, variants, args.repeats, remotes))
     summary = {m: summarise(t) for m, t in turns.items()}
     stamp = utc_stamp()
     header = (f"# Call benchmark\n\n- {stamp}, script {script_path.name} v{script.get('version')},"
               f" modes {', '.join(modes)}, {args.repeats} repeat(s), target "
-              f"`{cfg.engine.target}`\n\n")
+              f"`{cfg.engine.target}`\n")
+    for name, chat in remotes.items():
+        header += f"- {name}: `{chat.model}` on {chat.cfg.base_url}\n"
+    header += "\n"
     markdown = header + render(summary) + "\n"
     save_results(args.out, "call", stamp, markdown,
                  {"summary": summary, "turns": turns, "config": cfg.model_dump(mode="json")})

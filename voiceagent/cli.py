@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
     p.add_argument("--out", default="results", help="results folder (default: results)")
+    p.add_argument("--backend", action="append", metavar="NAME=URL",
+                   help="bench call: a remote OpenAI-compatible server (vLLM, SGLang, serve's "
+                   "/v1) as the LLM of the variants named NAME (repeatable; default variants "
+                   "then: off,ngram and each NAME)")
     p.add_argument("--script", help="bench call: scripted calls YAML "
                    "(default: configs/prompts/call_bench_v2.yaml)")
     p.add_argument("--turns", type=int, default=5, help="bench serve: turns of the timed call")

@@ -28,6 +28,7 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
+from voiceagent.pipeline.chat_backend import EngineChat
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.llm_service import SpeculativeLLMService, chat_messages
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
@@ -120,7 +121,7 @@ def make_serving(model, tokenizer):
 
 
 def _service(serving, tokenizer, **kwargs) -> SpeculativeLLMService:
-    return SpeculativeLLMService(serving, tokenizer, session_id=SESSION, **kwargs)
+    return SpeculativeLLMService(EngineChat(serving, tokenizer), session_id=SESSION, **kwargs)
 
 
 def _context(text: str) -> LLMContextFrame:

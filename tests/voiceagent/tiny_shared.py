@@ -14,11 +14,11 @@ from voiceagent.llm_setup import LLMRuntime
 from voiceagent.pipeline.builder import SharedModels
 
 
-def tiny_shared(break_on: threading.Event | None = None) -> SharedModels:
+def tiny_shared(break_on: threading.Event | None = None, method: str = "off") -> SharedModels:
     """With `break_on`: the engine's forward raises SystemExit once it is set."""
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer))
-    config = EngineConfig(speculation=SpeculationConfig(method="off"))
+    config = EngineConfig(speculation=SpeculationConfig(method=method, gate=False))
     target = LoadedModel("tiny", "/models/tiny", None, None, None, model, tokenizer, "cpu",
                          "float32", sum(p.numel() * 4 for p in model.parameters()), 0.0, False)
     engine = SpeculativeEngine(model, tokenizer, config)

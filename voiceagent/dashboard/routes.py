@@ -14,11 +14,14 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | `GET /api/speculation?since=` | `stats.speculation` of those turns |
 | `GET /api/calls?since=&before=&limit=` | `{"calls": [...], "next_before": t}`, newest first (1) |
 | `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...]}`; 404 for an unknown id |
-| `GET /api/pair-card` | the running pair's card (seed 001); 503 while models load |
+| `GET /api/pair-card` | the running pair's card (seed 001); 503 while models load (2) |
+| `GET /api/backend` | the pipeline's LLM: `backend`, `model`, `name`; for a remote server also its
+  `base_url` and its server-wide `speculation` counters (vLLM's Prometheus), or null |
 | `GET /api/events` | server-sent events: `turn` (a turn record) and `call` (started/ended) |
 | `GET /metrics` | Prometheus text format |
 
 (1) The next page: `before=next_before`; `next_before` is null on the last page.
+(2) 404 when the LLM is a remote server: the pair runs there.
 
 Bad parameters (a negative `since`, `limit` outside 1..500 or 1..10000) are 422 with the reason.
 """
@@ -34,6 +37,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voiceagent.dashboard.stats import overview, speculation
+from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.server.auth import authorized
 from voiceagent.server.state import ServerState
 
@@ -121,7 +125,22 @@ async def api_pair_card(request: Request):
     server = _server(request)
     if server.shared is None:
         raise HTTPException(503, "models still loading")
+    if server.shared.llm is None:
+        raise HTTPException(404, "no pair card: the LLM is a remote server (see /api/backend)")
     return server.shared.llm.card.to_dict()
+
+
+@router.get("/api/backend")
+async def api_backend(request: Request):
+    server = _server(request)
+    if server.shared is None:
+        raise HTTPException(503, "models still loading")
+    chat = server.shared.chat
+    info = {"backend": server.cfg.llm.backend, "model": chat.model, "name": chat.name}
+    if isinstance(chat, RemoteChat):
+        info.update(base_url=chat.cfg.base_url, metrics_url=chat.metrics_url,
+                    speculation=await chat.speculation())
+    return info
 
 
 @router.get("/api/events")

@@ -9,8 +9,9 @@ transcribes it as an eager end of turn, the user aggregator's stop strategy (tur
 reply from a provisional context, and the gate after the TTS holds that reply until the turn is
 confirmed.
 
-The engine and the Whisper model are loaded once per process (`SharedModels`) and shared by
-every call; each call gets its own services, context and clocks observer.
+The LLM (the in-process engine, or a client of a remote OpenAI-compatible server: `llm.backend`)
+and the Whisper model are loaded once per process (`SharedModels`) and shared by every call; each
+call gets its own services, context and clocks observer.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config
 from voiceagent.llm_setup import LLMRuntime, build_runtime
 from voiceagent.models import resolve
+from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat
 from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
+from voiceagent.pipeline.remote_llm import connect
 from voiceagent.pipeline.stt import make_stt, shared_whisper
 from voiceagent.pipeline.tts import make_tts, shared_piper_voice
 from voiceagent.pipeline.turn_record import TurnRecord
@@ -48,22 +51,36 @@ from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
 
 @dataclass
 class SharedModels:
-    """Loaded once per process and shared by every call."""
+    """Loaded once per process and shared by every call. With a remote LLM (`llm.backend:
+    openai`) there is no in-process engine: `llm` and `engine` are None."""
 
-    llm: LLMRuntime
-    engine: AsyncEngine
+    llm: LLMRuntime | None
+    engine: AsyncEngine | None
+    chat: ChatBackend | None = None  # the pipeline's LLM; None: the in-process engine
+
+    def __post_init__(self) -> None:
+        if self.chat is None:
+            if self.engine is None or self.llm is None:
+                raise ValueError("SharedModels needs an engine or a chat backend")
+            self.chat = EngineChat(self.engine, self.llm.target.tokenizer)
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def load_shared(cfg: Config, progress: Callable[[str], None] = print,
                 also: Collection[str] = ()) -> SharedModels:
     """Load the LLM (with the drafts of the methods in `also`, for a benchmark) and start its
     engine thread; warm the per-process ASR, TTS and VAD models so the first call does not pay
-    their load."""
-    engine, llm = AsyncEngine.build(
-        lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also))
+    their load. A remote LLM is checked (it answers, it serves the model) instead of loaded."""
+    if cfg.llm.backend == "openai":
+        progress(f"connecting to the LLM server at {cfg.llm.base_url} ...")
+        shared = SharedModels(llm=None, engine=None, chat=connect(cfg.llm, cfg.engine.sampling))
+    else:
+        engine, llm = AsyncEngine.build(
+            lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also))
+        shared = SharedModels(llm=llm, engine=engine)
     asr = resolve(cfg.asr.model, "asr")
     progress(f"loading ASR {cfg.asr.model} ...")
     shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type, cfg.asr.cpu_threads)
@@ -73,7 +90,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     make_vad(cfg.vad)  # loads the shared Silero session
     if cfg.turn.stop == "smart_turn":
         shared_smart_turn_session()
-    return SharedModels(llm=llm, engine=engine)
+    return shared
 
 
 @dataclass
@@ -108,10 +125,10 @@ def build_call(
         context, user_params=LLMUserAggregatorParams(user_turn_strategies=turn_strategies(cfg.turn))
     )
     llm = SpeculativeLLMService(
-        shared.engine,
-        shared.llm.target.tokenizer,
+        shared.chat,
         session_id=call_id,
         system_prompt=cfg.agent.system_prompt,
+        sampling=cfg.engine.sampling,  # this call's config's, which may differ from the engine's
         method=method,
         context=context if cfg.turn.prepare else None,
     )

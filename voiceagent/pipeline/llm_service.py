@@ -1,7 +1,8 @@
-"""SpeculativeLLMService: pipecat's LLM service contract on top of our in-process engine.
+"""SpeculativeLLMService: pipecat's LLM service contract on top of our engine (or a remote one).
 
-The service turns pipecat's universal `LLMContext` into chat messages, submits them to the shared
-`llm_engine.serving.AsyncEngine`, and streams the engine's text deltas out as pipecat expects
+The service turns pipecat's universal `LLMContext` into chat messages, submits them to its
+`ChatBackend` (chat_backend.py: the shared in-process `llm_engine.serving.AsyncEngine`, or a
+remote OpenAI-compatible server, remote_llm.py), and streams the text deltas out as pipecat expects
 (`LLMFullResponseStartFrame`, `LLMTextFrame`s, `LLMFullResponseEndFrame`; compare
 pipecat/services/openai/base_llm.py `process_frame`, lines 687-741). Each request's
 `RequestStats` leave as an `EngineStatsMetricsData` in a `MetricsFrame`: metrics are data, not
@@ -105,8 +106,8 @@ from pipecat.services.settings import LLMSettings
 from pipecat.utils.errors import ErrorCategory
 
 from llm_engine.config import SamplingConfig
-from llm_engine.prompts import encode_chat
-from llm_engine.serving import AsyncEngine, Completion, RequestHandle
+from llm_engine.serving import Completion
+from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
@@ -138,7 +139,7 @@ def chat_messages(context: LLMContext, system_prompt: str | None = None) -> list
 @dataclass(eq=False)
 class _Request:
     id: str
-    handle: RequestHandle
+    handle: ChatHandle
     prepared: bool  # started before the caller's turn was confirmed
     stream: asyncio.Task | None = None  # pushes the reply's frames; set at submit
     interrupted: bool = False  # the engine request was cut short
@@ -147,17 +148,17 @@ class _Request:
 
 
 class SpeculativeLLMService(LLMService):
-    """A pipecat LLM service backed by the in-process speculative engine (frames: module doc).
+    """A pipecat LLM service backed by the speculative engine or a remote server (frames: module
+    doc).
 
-    One instance per call. The `AsyncEngine` is shared by every call and owned by the server;
+    One instance per call. The backend is shared by every call and owned by the server;
     `session_id` names this call's KV prefix cache in it, reused from turn to turn and dropped
     at cleanup.
     """
 
     def __init__(
         self,
-        engine: AsyncEngine,
-        tokenizer,
+        chat: ChatBackend,
         *,
         session_id: str,
         system_prompt: str | None = None,
@@ -172,7 +173,7 @@ class SpeculativeLLMService(LLMService):
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
         # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
         settings = LLMSettings(
-            model=engine.engine.config.target,
+            model=chat.model,
             system_instruction=system_prompt,
             temperature=None,
             max_tokens=None,
@@ -186,8 +187,7 @@ class SpeculativeLLMService(LLMService):
             use_provider_thinking_default=False,
         )
         super().__init__(settings=settings, **kwargs)
-        self._engine = engine
-        self._tokenizer = tokenizer
+        self._chat = chat
         self._session_id = session_id
         self._sampling = sampling
         self._method = method
@@ -264,8 +264,7 @@ class SpeculativeLLMService(LLMService):
         """A one-token request that leaves `messages` in this call's KV cache."""
         one = SamplingConfig(max_new_tokens=1)
         try:
-            prompt = encode_chat(self._tokenizer, messages)
-            handle = self._engine.submit(prompt, one, self._session_id, self._method)
+            handle = self._chat.submit(messages, one, self._session_id, self._method)
         except ValueError as exc:  # over max_context: the real turn reports it
             logger.warning(f"{self}: prefill refused: {exc}")
             return
@@ -301,7 +300,7 @@ class SpeculativeLLMService(LLMService):
         for handle in handles:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(handle.result(), _CLEANUP_WAIT_S)
-        self._engine.engine.drop_session(self._session_id)
+        self._chat.drop_session(self._session_id)
         await super().cleanup()
 
     # -- one request ----------------------------------------------------------------------------
@@ -313,8 +312,8 @@ class SpeculativeLLMService(LLMService):
         # interruption that arrives next always finds it.
         self._log_llm_response(context)
         try:
-            prompt_ids = encode_chat(self._tokenizer, self._messages(context))
-            handle = self._engine.submit(prompt_ids, self._sampling, self._session_id, self._method)
+            handle = self._chat.submit(self._messages(context), self._sampling, self._session_id,
+                                       self._method)
         except Exception as exc:  # a refused prompt must not take the call down
             # ValueError is the prompt itself (too long for max_context, empty): the context is
             # at fault, not the service, so pipecat must not mark the service unusable.

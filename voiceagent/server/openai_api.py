@@ -3,9 +3,12 @@
 So OpenAI-compatible clients (the `openai` package, pipecat's and LiveKit's OpenAI services,
 benchmark tools) can use our engine as they use vLLM. Behind the server's token (a Bearer
 header). Supported: `messages` (system, user, assistant; text content), `stream` with
-`stream_options.include_usage`, `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`,
-`seed`, `stop` (up to 4), `n` = 1. Anything else a request sets (tools, response_format, logprobs,
-n > 1, ...) is refused with a 400 that names it, never silently ignored. A client that goes away
+`stream_options.include_usage` and `continuous_usage_stats` (vLLM's: the running usage on every
+chunk, so a client can count a speculative step's tokens), `max_tokens` /
+`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (up to 4), `n` = 1, and `user`,
+which keys the engine's prefix cache: a client's next turn reuses the KV of its last one.
+Anything else a request sets (tools, response_format, logprobs, n > 1, ...) is refused with a 400
+that names it, never silently ignored. A client that goes away
 cancels its request at the engine's next step. The engine's per-request speculation stats travel
 in an extension field, `voiceagent`, of the response (streamed: of the last chunk).
 
@@ -88,8 +91,9 @@ def _server(request: Request) -> ServerState:
     return server
 
 
-def model_id(server: ServerState) -> str:
-    return server.cfg.engine.target
+def model_id(server: ServerState) -> str | None:
+    """The in-process engine's target; None when the pipeline's LLM is remote (no engine)."""
+    return server.cfg.engine.target if server.cfg.llm.backend == "engine" else None
 
 
 @router.get("/v1/models")
@@ -98,8 +102,9 @@ async def models(request: Request):
         server = _server(request)
     except APIError as exc:
         return exc.response()
-    return {"object": "list", "data": [{"id": model_id(server), "object": "model",
-                                        "created": 0, "owned_by": "voiceagent"}]}
+    served = [model_id(server)] if model_id(server) else []
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                        "owned_by": "voiceagent"} for name in served]}
 
 
 @router.post("/v1/chat/completions")
@@ -108,6 +113,9 @@ async def chat_completions(request: Request):
         server = _server(request)
         body = await json_object(request, server.cfg.server.max_message_bytes)
         chat = _parse(body)
+        if model_id(server) is None:
+            raise APIError(404, "this server runs no in-process engine (llm.backend is openai): "
+                           "ask the LLM server itself", code="model_not_found")
         if chat.model != model_id(server):
             raise APIError(404, f"model '{chat.model}' is not served here; GET /v1/models",
                            param="model", code="model_not_found")
@@ -121,7 +129,9 @@ async def chat_completions(request: Request):
                              [{"role": "system" if m.role == "developer" else m.role,
                                "content": m.text()} for m in chat.messages])
         sampling = _sampling(server, chat)
-        handle = server.shared.engine.submit(prompt, sampling,
+        # Namespaced, so an API client's id never names a call's session.
+        session = f"api:{chat.user}" if chat.user else None
+        handle = server.shared.engine.submit(prompt, sampling, session,
                                              method=server.cfg.engine.speculation.method)
     except APIError as exc:
         return exc.response()
@@ -176,8 +186,7 @@ class Reply:
     def _base(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.chat.model}
 
-    def _usage(self, completion) -> dict:
-        n = len(completion.token_ids)
+    def _usage(self, n: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
                 "total_tokens": self.prompt_tokens + n}
 
@@ -188,7 +197,7 @@ class Reply:
         return {**self._base(), "object": "chat.completion",
                 "choices": [{"index": 0, "finish_reason": FINISH[completion.finish_reason],
                              "message": {"role": "assistant", "content": completion.text}}],
-                "usage": self._usage(completion),
+                "usage": self._usage(len(completion.token_ids)),
                 "voiceagent": completion.stats.to_dict()}
 
     def _chunk(self, delta: dict, finish: str | None = None, **extra) -> str:
@@ -199,11 +208,17 @@ class Reply:
     async def stream(self):
         """SSE chunks; a client gone mid-stream closes this generator, which cancels the
         request (the engine frees its KV at the next step)."""
+        options = self.chat.stream_options or {}
+        running = bool(options.get("continuous_usage_stats"))
+        tokens = 0
         try:
-            yield self._chunk({"role": "assistant", "content": ""})
+            yield self._chunk({"role": "assistant", "content": ""},
+                              **({"usage": self._usage(0)} if running else {}))
             async for delta in self.handle:
+                tokens += len(delta.token_ids)
                 if delta.text:
-                    yield self._chunk({"content": delta.text})
+                    yield self._chunk({"content": delta.text},
+                                      **({"usage": self._usage(tokens)} if running else {}))
             completion = await self.handle.result()
             if completion.finish_reason == "error":
                 error = {"message": completion.error or "generation failed",
@@ -212,9 +227,9 @@ class Reply:
             else:
                 yield self._chunk({}, FINISH[completion.finish_reason],
                                   voiceagent=completion.stats.to_dict())
-                if (self.chat.stream_options or {}).get("include_usage"):
+                if options.get("include_usage"):
                     usage = {**self._base(), "object": "chat.completion.chunk", "choices": [],
-                             "usage": self._usage(completion)}
+                             "usage": self._usage(len(completion.token_ids))}
                     yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -24,9 +24,10 @@ GRACE_S = 5
 
 def preflight(cfg: Config) -> None:
     """Fail before binding a port when a configured model is not installed (ModelNotFound)."""
-    resolve(cfg.engine.target, "llm")
-    if cfg.engine.draft:
-        resolve(cfg.engine.draft, "llm")
+    if cfg.llm.backend == "engine":
+        resolve(cfg.engine.target, "llm")
+        if cfg.engine.draft:
+            resolve(cfg.engine.draft, "llm")
     resolve(cfg.asr.model, "asr")
     resolve(cfg.tts.voice, "tts")
     resolve(cfg.vad.model, "vad")

@@ -9,6 +9,7 @@ const REFRESH_MIN_MS = 1000; // live events redraw at most once a second
 const SLIDE_MS = 60_000; // redraw this often without events too, so "last 1 h" slides
 const RECONNECT_MS = 5000; // after the event stream was refused (e.g. the server restarted)
 const CARD_RETRY_MS = 5000; // the pair card is there once the server's models have loaded
+const BACKEND_MS = 15_000; // a remote LLM server's speculation counters are read this often
 const TURNS_LIMIT = 5000; // turns plotted over time, the newest
 const MAX_STEPS = 5000; // points of the drafting vs verification scatter, the newest
 const K_TURNS = 20; // turns whose K history is drawn, the newest
@@ -170,7 +171,7 @@ function showError(err) {
     if (!signingIn) {
       signingIn = askForToken($("signin-box"), "This server needs its token.").then(() => {
         signingIn = null;
-        run(() => Promise.all([refreshAll(), refreshPairCard()]));
+        run(() => Promise.all([refreshAll(), refreshPairCard(), refreshBackend()]));
         connectEvents();
       });
     }
@@ -546,12 +547,39 @@ async function refreshPairCard() {
     $("card-hash").textContent = "–";
     $("card-json").textContent = err.status === 503
       ? "(the server is still loading its models)"
-      : "(no pair card for the running configuration)";
+      : "(no pair card: the LLM runs on a remote server)";
     if (err.status === 503) setTimeout(() => run(refreshPairCard), CARD_RETRY_MS);
     return;
   }
   $("card-hash").textContent = card.card_hash || "–";
   $("card-json").textContent = JSON.stringify(card, null, 2);
+}
+
+// ---- the LLM: in process, or a remote server (whose speculation counters are server-wide) ------
+
+async function refreshBackend() {
+  let b;
+  try {
+    b = await api("/api/backend");
+  } catch (err) {
+    if (err.status !== 503) throw err;
+    $("backend").textContent = "LLM: (the server is still loading its models)";
+    setTimeout(() => run(refreshBackend), CARD_RETRY_MS);
+    return;
+  }
+  if (b.backend === "engine") {
+    $("backend").textContent = `LLM: the in-process engine · ${b.model} · speculation ${b.name}`;
+    return;
+  }
+  const s = b.speculation;
+  const spec = s
+    ? `its speculation, all requests since it started: ${fmt(s.acceptance_rate, "pct")} of ` +
+      `${s.draft_tokens} drafted tokens accepted, ${fmt(s.mean_accepted_per_draft, "x2")} ` +
+      `per draft`
+    : "it shows no speculation counters";
+  $("backend").textContent = `LLM: the server at ${b.base_url} · ${b.model} · its turns ` +
+    `show as method ${b.name} · ${spec}`;
+  setTimeout(() => run(refreshBackend), BACKEND_MS);
 }
 
 // ---- refresh and live updates -----------------------------------------------------------------

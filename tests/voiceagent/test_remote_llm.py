@@ -1,0 +1,128 @@
+"""The pipeline's LLM on a remote OpenAI-compatible server (voiceagent.pipeline.remote_llm),
+against a real one: `serve`'s own `/v1` on a loopback port with a tiny random engine (ngram
+speculation), so the remote's per-request speculation comes back too. The pipeline through a
+whole call on a remote in another process is in test_remote_call.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from pipecat.frames.frames import InterruptionFrame, LLMContextFrame, LLMTextFrame, MetricsFrame
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.tests.utils import SleepFrame, run_test
+
+from llm_engine.config import SamplingConfig
+from llm_engine.prompts import encode_chat
+from tests.voiceagent.serving import server_config, serving, until
+from tests.voiceagent.tiny_shared import tiny_shared
+from voiceagent.config import LLMConfig
+from voiceagent.pipeline.llm_service import SpeculativeLLMService
+from voiceagent.pipeline.metrics import EngineStatsMetricsData
+from voiceagent.pipeline.remote_llm import RemoteLLMError, connect
+
+MODEL = "smollm2-135m-instruct"  # the id the server's /v1 serves (its config's target)
+HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+KEY_ENV = "VOICEAGENT_TEST_REMOTE_KEY"
+
+
+@pytest.fixture
+async def remote(tmp_path, monkeypatch):
+    """(app, /v1 URL, shared models) of a real server that needs the key in KEY_ENV."""
+    monkeypatch.setenv(KEY_ENV, "s3cret")
+    shared = tiny_shared(method="ngram")
+    async with serving(server_config(tmp_path, "server.token=s3cret"), shared) as (app, base):
+        yield app, f"{base}/v1", shared
+    shared.close()
+
+
+def _llm(base_url: str | None, **settings) -> LLMConfig:
+    return LLMConfig(backend="openai", base_url=base_url, api_key_env=KEY_ENV, **settings)
+
+
+async def _connect(cfg: LLMConfig, sampling: SamplingConfig | None = None):
+    # connect() blocks; the server runs on this event loop.
+    return await asyncio.to_thread(connect, cfg, sampling or SamplingConfig())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_connect_takes_the_only_model_and_names_the_backend_after_the_server(remote):
+    _app, url, _shared = remote
+    chat = await _connect(_llm(url))
+    named = await _connect(_llm(url, model=MODEL, name="box-2"))
+    assert (chat.model, chat.name) == (MODEL, "voiceagent")
+    assert named.name == "box-2"
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("no base_url", "llm.base_url is not set"),
+    ("wrong key", f"refused the API key: set it in the environment variable {KEY_ENV}"),
+    ("unserved model", "does not serve 'gpt-4o'"),
+    ("nothing listening", "did not answer /models"),
+])
+async def test_connect_refuses_with_the_reason(remote, monkeypatch, case, reason):
+    _app, url, _shared = remote
+    cfg = {"no base_url": _llm(None), "wrong key": _llm(url),
+           "unserved model": _llm(url, model="gpt-4o"),
+           "nothing listening": _llm(f"http://127.0.0.1:{_free_port()}/v1", timeout_s=2)}[case]
+    if case == "wrong key":
+        monkeypatch.setenv(KEY_ENV, "nope")
+    with pytest.raises(RemoteLLMError, match=reason):
+        await _connect(cfg)
+
+
+async def test_a_reply_is_the_engines_with_client_timing_and_the_servers_speculation(remote):
+    _app, url, shared = remote
+    sampling = SamplingConfig(max_new_tokens=24, temperature=0.0)
+    chat = await _connect(_llm(url, name="remote-ngram"), sampling)
+    direct = await shared.engine.generate(encode_chat(shared.llm.target.tokenizer, HELLO),
+                                          sampling=sampling)
+    handle = chat.submit(HELLO, None, "call-1", None)  # None: the backend's default sampling
+    deltas = [delta.text async for delta in handle]
+    done = await handle.result()
+    stats = done.stats
+    assert "".join(deltas) == done.text == direct.text
+    assert stats.method == "remote-ngram"  # how the dashboard tells backends apart
+    assert stats.generated_tokens == len(direct.token_ids)
+    assert len(stats.token_times_ms) == stats.generated_tokens  # each token timed, bursts too
+    assert stats.ttft_ms is not None and stats.ttft_ms > 0
+    assert stats.steps and stats.k_history  # the server's own per-request speculation, kept
+    assert stats.drafted == direct.stats.drafted
+
+
+async def test_cancel_closes_the_stream_and_the_server_stops_generating(remote):
+    app, url, shared = remote
+    chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=2000, temperature=0.0))
+    handle = chat.submit(HELLO, None, "call-2", None)
+    async for _delta in handle:
+        break  # the first text arrived: the bot is speaking; the caller barges in
+    handle.cancel()
+    done = await handle.result()
+    server = app.state.server
+    assert done.finish_reason == "cancelled" and done.stats.cancel_to_stop_ms is not None
+    assert await until(lambda: shared.engine.in_flight == 0, 5), "the server kept generating"
+    assert all(h.done for h in server.api_handles)
+    (served,) = [await h.result() for h in server.api_handles]
+    assert served.finish_reason == "cancelled" and len(served.token_ids) < 2000
+
+
+async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(remote):
+    app, url, shared = remote
+    chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=2000, temperature=0.0))
+    llm = SpeculativeLLMService(chat, session_id="call-3")
+    context = LLMContext(messages=HELLO)
+    frames = [LLMContextFrame(context=context), SleepFrame(sleep=1.0), InterruptionFrame(),
+              SleepFrame(sleep=0.5)]
+    down, _up = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
+    (stats,) = [d for f in down if isinstance(f, MetricsFrame) for d in f.data
+                if isinstance(d, EngineStatsMetricsData)]
+    assert any(isinstance(f, LLMTextFrame) for f in down)
+    assert stats.interrupted and stats.finish_reason == "cancelled"
+    assert stats.stats["method"] == "voiceagent"
+    assert await until(lambda: shared.engine.in_flight == 0, 5), "the server kept generating"

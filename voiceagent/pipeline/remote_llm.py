@@ -1,0 +1,275 @@
+"""The pipeline's LLM on a remote OpenAI-compatible server: vLLM, SGLang, llama.cpp's server, or
+another `voiceagent serve` (its `/v1`).
+
+Requests go over the chat-completions stream of the official `openai` client. The clocks are
+measured here, on the client, as for the in-process engine: time to first token from submit to
+the first text, one inter-token latency per token. A chunk's token count comes from the running
+usage that `stream_options.continuous_usage_stats` asks for (vLLM, SGLang and our `/v1` send it),
+so a speculative server's multi-token chunks count as bursts; from a server that ignores it each
+text chunk counts as one token, and the final usage corrects the total.
+
+Speculation: our `/v1` reports each request's steps, K and acceptance in its `voiceagent` field,
+kept here with the client's own timing. vLLM reports speculation only server-wide, in Prometheus
+counters (`vllm:spec_decode_*`), which `speculation_counters` reads for the dashboard.
+
+Barge-in: `cancel()` cancels the task reading the stream, which closes the HTTP response; the
+server sees the disconnect and stops generating (vLLM aborts the request; our `/v1` cancels it at
+the engine's next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import openai
+from loguru import logger
+from prometheus_client.parser import text_string_to_metric_families
+
+from llm_engine.config import SamplingConfig
+from llm_engine.serving import Completion, TextDelta
+from llm_engine.stats import RequestStats
+from voiceagent.config import LLMConfig
+
+_DONE = object()
+# Timing is the client's own; everything else a server's per-request stats say is kept.
+_CLIENT_TIMING = ("method", "ttft_ms", "itl_ms", "token_times_ms", "total_ms",
+                  "cancel_to_stop_ms", "finish_reason", "generated_tokens")
+# vLLM's speculation counters (Prometheus names, `_total` suffix included).
+_VLLM_SPEC = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
+}
+
+
+class RemoteLLMError(RuntimeError):
+    """The remote server can't be used as configured; the message says why and what to set."""
+
+
+def _api_key(cfg: LLMConfig) -> str:
+    # Servers started without a key accept any; the client insists on a non-empty one.
+    return os.environ.get(cfg.api_key_env) or "none"
+
+
+def connect(cfg: LLMConfig, sampling: SamplingConfig) -> RemoteChat:
+    """Check the server answers and serves the model (the only one when `llm.model` is unset);
+    raises RemoteLLMError with the reason. `sampling`: the default of requests that set none.
+    Blocking: call it at start-up, off the event loop."""
+    if not cfg.base_url:
+        raise RemoteLLMError("llm.backend is openai but llm.base_url is not set "
+                             "(e.g. --set llm.base_url=http://127.0.0.1:8000/v1)")
+    client = openai.OpenAI(base_url=cfg.base_url, api_key=_api_key(cfg), timeout=cfg.timeout_s,
+                           max_retries=0)
+    try:
+        served = {m.id: m for m in client.models.list()}
+    except openai.AuthenticationError:
+        raise RemoteLLMError(f"{cfg.base_url} refused the API key: set it in the environment "
+                             f"variable {cfg.api_key_env}") from None
+    except openai.APIError as exc:
+        raise RemoteLLMError(f"the LLM server at {cfg.base_url} did not answer /models: "
+                             f"{exc}") from None
+    finally:
+        client.close()
+    if cfg.model is None and len(served) != 1:
+        raise RemoteLLMError(f"{cfg.base_url} serves {sorted(served) or 'no models'}: "
+                             "choose one with llm.model")
+    model = cfg.model or next(iter(served))
+    if model not in served:
+        raise RemoteLLMError(f"{cfg.base_url} does not serve {model!r}; it serves "
+                             f"{sorted(served)}")
+    owner = getattr(served[model], "owned_by", None) or "remote"
+    return RemoteChat(cfg, model, cfg.name or owner, sampling)
+
+
+def metrics_url(cfg: LLMConfig) -> str | None:
+    """Where the server's Prometheus text is: `llm.metrics_url`, else /metrics at the root of
+    `llm.base_url` (vLLM's and SGLang's place)."""
+    if cfg.metrics_url or not cfg.base_url:
+        return cfg.metrics_url
+    parts = urlsplit(cfg.base_url)
+    return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
+
+
+async def speculation_counters(url: str, headers: dict[str, str],
+                               timeout_s: float = 2.0) -> dict | None:
+    """vLLM's server-wide speculation counters read from its Prometheus text, with the acceptance
+    rate and the mean tokens accepted per draft; None when the server exposes none (or the page
+    can't be read: the dashboard shows that as unknown, never as zero)."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as http:
+            response = await http.get(url, headers=headers)
+        response.raise_for_status()
+        families = list(text_string_to_metric_families(response.text))
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.debug(f"no speculation counters from {url}: {exc}")
+        return None
+    found: dict[str, float] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name in _VLLM_SPEC:
+                key = _VLLM_SPEC[sample.name]
+                found[key] = found.get(key, 0.0) + sample.value
+    if "draft_tokens" not in found:
+        return None
+    drafted, accepted = found["draft_tokens"], found.get("accepted_tokens", 0.0)
+    drafts = found.get("drafts", 0.0)
+    return {**found, "source": url,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_per_draft": accepted / drafts if drafts else None}
+
+
+class RemoteChat:
+    """`ChatBackend` over a remote server's chat-completions stream (see the module doc)."""
+
+    def __init__(self, cfg: LLMConfig, model: str, name: str, sampling: SamplingConfig):
+        self.cfg, self.model, self.name, self.sampling = cfg, model, name, sampling
+        self.metrics_url = metrics_url(cfg)
+        self._client: openai.AsyncOpenAI | None = None  # made on the event loop that uses it
+
+    @property
+    def client(self) -> openai.AsyncOpenAI:
+        if self._client is None:
+            self._client = openai.AsyncOpenAI(base_url=self.cfg.base_url,
+                                              api_key=_api_key(self.cfg),
+                                              timeout=self.cfg.timeout_s, max_retries=0)
+        return self._client
+
+    async def speculation(self) -> dict | None:
+        """The server's speculation counters (`speculation_counters`), or None. The API key
+        goes along only to the API's own host."""
+        if not self.metrics_url:
+            return None
+        same_host = urlsplit(self.metrics_url).netloc == urlsplit(self.cfg.base_url).netloc
+        headers = {"Authorization": f"Bearer {_api_key(self.cfg)}"} if same_host else {}
+        return await speculation_counters(self.metrics_url, headers)
+
+    def submit(self, messages: list[dict[str, str]], sampling: SamplingConfig | None,
+               session_id: str, method: str | None) -> RemoteHandle:
+        # `method` picks a local proposer; the remote server's speculation is its own.
+        if not messages:
+            raise ValueError("empty prompt")
+        return RemoteHandle(self, messages, sampling or self.sampling, session_id)
+
+    def drop_session(self, session_id: str) -> None:
+        """Nothing to free here: a server's prefix cache (vLLM's, our /v1's) manages itself."""
+
+    def request_args(self, messages: list[dict[str, str]], sampling: SamplingConfig,
+                     session_id: str) -> dict:
+        args: dict = {"model": self.model, "messages": messages, "stream": True,
+                      "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                      "top_p": sampling.top_p,
+                      # OpenAI's end-user id: our /v1 keys its per-session prefix cache on it.
+                      "user": session_id,
+                      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        if sampling.seed is not None:
+            args["seed"] = sampling.seed
+        if sampling.stop:
+            args["stop"] = list(sampling.stop)
+        if sampling.top_k:
+            args["extra_body"] = {"top_k": sampling.top_k}  # vLLM and SGLang take it
+        return args
+
+
+class RemoteHandle:
+    """One remote request: iterate it for `TextDelta`s, `cancel()` it, await `result()`."""
+
+    def __init__(self, backend: RemoteChat, messages: list[dict[str, str]],
+                 sampling: SamplingConfig, session_id: str):
+        self._backend = backend
+        self._args = backend.request_args(messages, sampling, session_id)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._text: list[str] = []
+        self._cancelled_at: float | None = None
+        self._drained = False
+        self._t0 = time.perf_counter()
+        self.stats = RequestStats(method=backend.name)
+        self._completion: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._run(), name=f"remote-llm-{session_id}")
+
+    def cancel(self) -> None:
+        if not self._task.done():
+            self._cancelled_at = self._cancelled_at or time.perf_counter()
+            self._task.cancel()
+
+    @property
+    def done(self) -> bool:
+        return self._completion.done()
+
+    def __aiter__(self) -> RemoteHandle:
+        return self
+
+    async def __anext__(self) -> TextDelta:
+        if self._drained:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if item is _DONE:
+            self._drained = True
+            raise StopAsyncIteration
+        return item
+
+    async def result(self) -> Completion:
+        try:
+            async for _ in self:
+                pass
+            return await asyncio.shield(self._completion)
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    def _ms(self) -> float:
+        return (time.perf_counter() - self._t0) * 1000
+
+    async def _run(self) -> None:
+        reason, error, server_stats, usage = None, None, None, None
+        try:
+            stream = await self._backend.client.chat.completions.create(**self._args)
+            async with stream:  # leaving it closes the response: the server stops generating
+                seen = 0
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                    server_stats = (chunk.model_extra or {}).get("voiceagent") or server_stats
+                    for choice in chunk.choices:
+                        text = choice.delta.content or ""
+                        reason = choice.finish_reason or reason
+                        tokens = (chunk.usage.completion_tokens - seen if chunk.usage
+                                  else int(bool(text)))
+                        if tokens > 0:
+                            self.stats.record_tokens(tokens, self._ms())
+                            seen += tokens
+                        if text:
+                            self._text.append(text)
+                            self._queue.put_nowait(TextDelta(text, [], time.perf_counter()))
+            # OpenAI's "stop" is the model's end or a stop string; ours says "eos" for both.
+            reason = {"stop": "eos", None: "eos"}.get(reason, reason)
+        except asyncio.CancelledError:
+            reason = "cancelled"
+        except Exception as exc:  # noqa: BLE001 - a failed request must end its handle, not hang it
+            reason, error = "error", f"{type(exc).__name__}: {exc}"
+        finally:
+            self._finish(reason or "error", error, server_stats, usage)
+
+    def _finish(self, reason: str, error: str | None, server_stats: dict | None, usage) -> None:
+        stats = self.stats
+        if server_stats:  # our /v1: its speculation, with this client's timing
+            timing = {name: getattr(stats, name) for name in _CLIENT_TIMING}
+            stats = RequestStats.from_dict({**server_stats, **timing})
+        if usage is not None:
+            stats.prompt_tokens = usage.prompt_tokens
+            stats.generated_tokens = max(stats.generated_tokens, usage.completion_tokens)
+        stats.finish_reason = reason
+        stats.total_ms = self._ms()
+        if self._cancelled_at is not None:
+            stats.cancel_to_stop_ms = (time.perf_counter() - self._cancelled_at) * 1000
+        self.stats = stats
+        self._queue.put_nowait(_DONE)
+        if not self._completion.done():
+            self._completion.set_result(
+                Completion("".join(self._text), [], reason, stats, error))
