@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import pytest
 from pipecat.frames.frames import InterruptionFrame, LLMContextFrame, LLMTextFrame, MetricsFrame
 from pipecat.processors.aggregators.llm_context import LLMContext
@@ -18,9 +22,10 @@ from llm_engine.prompts import encode_chat
 from tests.voiceagent.serving import server_config, serving, until
 from tests.voiceagent.tiny_shared import tiny_shared
 from voiceagent.config import LLMConfig
+from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
-from voiceagent.pipeline.remote_llm import RemoteLLMError, connect
+from voiceagent.pipeline.remote_llm import RemoteLLMError, connect, speculation_counters
 
 MODEL = "smollm2-135m-instruct"  # the id the server's /v1 serves (its config's target)
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
@@ -126,3 +131,51 @@ async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(remot
     assert stats.interrupted and stats.finish_reason == "cancelled"
     assert stats.stats["method"] == "voiceagent"
     assert await until(lambda: shared.engine.in_flight == 0, 5), "the server kept generating"
+
+
+async def test_the_dashboard_names_the_remote_and_its_unknown_speculation(remote, tmp_path):
+    _app, url, _shared = remote
+    chat = await _connect(_llm(url, name="box-2"))
+    front = SharedModels(llm=None, engine=None, chat=chat)
+    cfg = server_config(tmp_path, "llm.backend=openai", f"llm.base_url={url}")
+    async with serving(cfg, front) as (_front_app, base):
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            info = (await http.get("/api/backend")).json()
+            card = await http.get("/api/pair-card")
+            models = (await http.get("/v1/models")).json()
+    assert (info["backend"], info["model"], info["name"]) == ("openai", MODEL, "box-2")
+    # Our /v1's /metrics has no vLLM counters: unknown, not zero (per-turn stats carry ours).
+    assert info["metrics_url"] == url.removesuffix("/v1") + "/metrics"
+    assert info["speculation"] is None
+    assert card.status_code == 404 and "remote" in card.json()["detail"]
+    assert models["data"] == []  # no in-process engine to serve
+
+
+@pytest.fixture
+def vllm_metrics_page():
+    """vLLM's own /metrics text (captured from its CPU build with ngram speculation on), served
+    over real HTTP on a loopback port."""
+    body = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_bytes()
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+
+
+async def test_vllms_speculation_counters_give_its_acceptance(vllm_metrics_page):
+    got = await speculation_counters(vllm_metrics_page, {})
+    assert (got["drafts"], got["draft_tokens"], got["accepted_tokens"]) == (17, 68, 49)
+    assert got["acceptance_rate"] == pytest.approx(49 / 68)
+    assert got["mean_accepted_per_draft"] == pytest.approx(49 / 17)
+    assert got["accepted_by_position"] == pytest.approx([14 / 17, 12 / 17, 12 / 17, 11 / 17])

@@ -44,6 +44,7 @@ _VLLM_SPEC = {
     "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens",
 }
+_VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 class RemoteLLMError(RuntimeError):
@@ -108,18 +109,25 @@ async def speculation_counters(url: str, headers: dict[str, str],
         logger.debug(f"no speculation counters from {url}: {exc}")
         return None
     found: dict[str, float] = {}
+    by_position: dict[int, float] = {}
     for family in families:
         for sample in family.samples:
-            if sample.name in _VLLM_SPEC:
+            if sample.name in _VLLM_SPEC:  # summed over engines and models
                 key = _VLLM_SPEC[sample.name]
                 found[key] = found.get(key, 0.0) + sample.value
+            elif sample.name == _VLLM_PER_POSITION:
+                position = int(sample.labels.get("position", 0))
+                by_position[position] = by_position.get(position, 0.0) + sample.value
     if "draft_tokens" not in found:
         return None
     drafted, accepted = found["draft_tokens"], found.get("accepted_tokens", 0.0)
     drafts = found.get("drafts", 0.0)
     return {**found, "source": url,
             "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_accepted_per_draft": accepted / drafts if drafts else None}
+            "mean_accepted_per_draft": accepted / drafts if drafts else None,
+            # Of the drafts, the share accepted at each draft position.
+            "accepted_by_position": [by_position[p] / drafts if drafts else None
+                                     for p in sorted(by_position)]}
 
 
 class RemoteChat:
