@@ -2,7 +2,7 @@
 
 import pytest
 
-from voiceagent.bench_call import Variant
+from voiceagent.bench_call import Variant, parse_backends
 from voiceagent.config import ConfigError, load_config
 
 
@@ -28,3 +28,11 @@ def test_unknown_feature_or_key_is_refused_with_the_valid_ones():
         Variant.parse("ngram+turbo")
     with pytest.raises(ConfigError, match="valid keys"):
         Variant.parse("off:vad.nope=1").configure(load_config())
+
+
+def test_backends_are_named_urls_and_a_bad_one_says_the_form():
+    assert parse_backends(["vllm=http://127.0.0.1:8000/v1", "sglang=https://h/v1"]) == {
+        "vllm": "http://127.0.0.1:8000/v1", "sglang": "https://h/v1"}
+    for bad in ("http://127.0.0.1:8000/v1", "vllm=127.0.0.1:8000", "=http://h/v1"):
+        with pytest.raises(ValueError, match="expected NAME=URL"):
+            parse_backends([bad])
