@@ -27,7 +27,7 @@ class RequestStats:
     prompt_tokens: int = 0
     prefill_tokens: int = 0  # tokens actually run through the target at prefill
     reused_prefix_tokens: int = 0  # prompt tokens whose KV came from the session's last request
-    prefill_ms: float = 0.0
+    prefill_ms: float | None = 0.0  # None: not known (a remote server did the prefill)
     ttft_ms: float | None = None  # from start() to the first token
     itl_ms: list[float] = field(default_factory=list)  # one per token after the first; 0 in a burst
     token_times_ms: list[float] = field(default_factory=list)  # each token's time since start()

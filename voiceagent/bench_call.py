@@ -148,12 +148,26 @@ def _load(cfg: Config, variants: list[Variant], remotes: dict[str, RemoteChat],
     return load_shared(cfg.model_copy(update={"llm": first.cfg}), say)
 
 
+def counted_during(before: dict | None, after: dict | None) -> str:
+    """A remote server's speculation over the run, from its counters before and after (vLLM's
+    are server-wide: other traffic to it during the run counts too)."""
+    if before is None or after is None:
+        return "no speculation counters"
+    drafts, drafted, accepted = (after[k] - before[k] for k in
+                                 ("drafts", "draft_tokens", "accepted_tokens"))
+    if not drafted:
+        return "no drafts during the run"
+    return (f"{100 * accepted / drafted:.0f}% of {drafted:.0f} drafted tokens accepted, "
+            f"{accepted / drafts:.2f} per draft (its counters, during this run)")
+
+
 async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
-               remotes: dict[str, RemoteChat]) -> dict[str, list]:
+               remotes: dict[str, RemoteChat]) -> tuple[dict[str, list], dict[str, str]]:
     say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress on stderr
     shared = _load(cfg, variants, remotes, say)
     voice = load_piper(resolve(cfg.tts.voice, "tts").location)
     turns: dict[str, list] = {v.name: [] for v in variants}
+    before = {name: await chat.speculation() for name, chat in remotes.items()}
     try:
         for r in range(repeats):
             for i, call in enumerate(script["calls"]):
@@ -174,7 +188,9 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                                       for t in result.turns]
     finally:
         shared.close()
-    return turns
+    spec = {name: counted_during(before[name], await chat.speculation())
+            for name, chat in remotes.items()}
+    return turns, spec
 
 
 def run_call_bench(cfg: Config, args) -> int:
@@ -191,14 +207,14 @@ def run_call_bench(cfg: Config, args) -> int:
     except RemoteLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    turns = asyncio.run(_run(cfg, script, variants, args.repeats, remotes))
+    turns, remote_spec = asyncio.run(_run(cfg, script, variants, args.repeats, remotes))
     summary = {m: summarise(t) for m, t in turns.items()}
     stamp = utc_stamp()
     header = (f"# Call benchmark\n\n- {stamp}, script {script_path.name} v{script.get('version')},"
               f" modes {', '.join(modes)}, {args.repeats} repeat(s), target "
               f"`{cfg.engine.target}`\n")
     for name, chat in remotes.items():
-        header += f"- {name}: `{chat.model}` on {chat.cfg.base_url}\n"
+        header += f"- {name}: `{chat.model}` on {chat.cfg.base_url}; {remote_spec[name]}\n"
     header += "\n"
     markdown = header + render(summary) + "\n"
     save_results(args.out, "call", stamp, markdown,

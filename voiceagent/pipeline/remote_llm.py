@@ -269,6 +269,8 @@ class RemoteHandle:
         if server_stats:  # our /v1: its speculation, with this client's timing
             timing = {name: getattr(stats, name) for name in _CLIENT_TIMING}
             stats = RequestStats.from_dict({**server_stats, **timing})
+        else:
+            stats.prefill_ms = None  # the server's own business: unknown here, not 0
         if usage is not None:
             stats.prompt_tokens = usage.prompt_tokens
             stats.generated_tokens = max(stats.generated_tokens, usage.completion_tokens)
