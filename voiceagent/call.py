@@ -18,8 +18,8 @@ from pipecat.frames.frames import EndFrame
 from pipecat.workers.runner import WorkerRunner
 
 from audio.wav import read_wav, write_wav
-from voiceagent.config import Config, config_hash, store_path
-from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore
+from voiceagent.config import Config, config_hash
+from voiceagent.dashboard.store import CallInfo, open_store
 from voiceagent.pipeline.builder import SharedModels, build_call, load_shared
 from voiceagent.pipeline.records import JsonlTurnSink, TurnRecords
 from voiceagent.pipeline.turn_record import TurnRecord
@@ -50,7 +50,7 @@ async def simulate_call(
     """Run one call with `audio` (int16 mono at RATE) as the caller; return its turns."""
     transport = WavCallTransport(audio, RATE, RATE, realtime=realtime)
     sink = JsonlTurnSink(cfg.paths.runs_dir)
-    store = SQLiteTurnStore(store_path(cfg), transcripts=cfg.store.transcripts)
+    store = open_store(cfg)
     records = TurnRecords([sink, store])
     call = build_call(cfg, shared, transport, records.add, method=method)
     store.start_call(CallInfo(

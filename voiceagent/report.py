@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import html
 import re
-import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -76,31 +75,28 @@ def fmt_share(s: dict) -> str:
 
 @dataclass
 class Window:
-    store_path: Path
+    store: str  # its file, or its URL without the password
     since: float | None
     now: float
     turns: list[dict]  # TurnRecord dicts, oldest first
     last_call: dict | None  # store.call() of the window's most recent call: {"call", "turns"}
 
 
-def load_window(path: str | Path, since: float | None, now: float) -> Window:
-    from voiceagent.dashboard.store import SQLiteTurnStore
+def load_window(cfg: Config, since: float | None, now: float) -> Window:
+    from voiceagent.dashboard.store import open_store
 
-    path = Path(path).expanduser()
-    if not path.is_file():
+    path = store_path(cfg)
+    if not cfg.store.url and not path.is_file():
         raise ValueError(f"no turn store at {path}: `voiceagent serve` writes one there; "
                          "choose another with --set store.path=...")
-    try:
-        store = SQLiteTurnStore(path, transcripts=True)
-    except (sqlite3.Error, RuntimeError) as exc:
-        raise ValueError(f"cannot read turn store {path}: {exc}") from None
+    store = open_store(cfg, retain=False)  # a StoreError (a ValueError) says why not
     try:
         turns = store.turns(since=since)
         last = max(turns, key=lambda t: t["started_at"]) if turns else None
         last_call = store.call(last["call_id"]) if last else None
     finally:
         store.close()
-    return Window(path, since, now, turns, last_call)
+    return Window(store.where, since, now, turns, last_call)
 
 
 def colour(method: str) -> str:
@@ -383,7 +379,7 @@ def build_report(cfg: Config, window: Window, plots: dict[str, Path], out_dir: P
         ("Calls", str(ov["calls"])),
         ("Turns", f"{ov['turns']} ({ov['interrupted']} interrupted)"),
         ("Config", config),
-        ("Store", str(window.store_path)),
+        ("Store", window.store),
         ("Generated", when(time.time())),
     ]
     report = Report("Voice agent latency report", facts)
@@ -484,7 +480,7 @@ def run_report(cfg: Config, args) -> int:
                          "chosen by the extension")
     now = time.time()
     since = parse_since(args.since, now) if args.since else None
-    window = load_window(store_path(cfg), since, now)
+    window = load_window(cfg, since, now)
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = out.parent / f"{out.stem}_files"
     plots = write_plots(window, folder) if window.turns else {}

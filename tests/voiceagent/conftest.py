@@ -1,5 +1,8 @@
+import uuid
+
 import pytest
 
+from tests.voiceagent.postgres import PostgresServer, pg_bin
 from tests.voiceagent.serving import server_config
 from voiceagent.pipeline.builder import load_shared
 
@@ -10,3 +13,23 @@ def models(tmp_path_factory):
     loaded = load_shared(server_config(tmp_path_factory.mktemp("m")), progress=lambda _: None)
     yield loaded
     loaded.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the session, in a temporary directory; stopped at the end."""
+    bin_dir = pg_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb): `scripts/setup.sh --dev` installs it")
+    server = PostgresServer(bin_dir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """A fresh, empty database of the session's server."""
+    return postgres_server.create_database(f"test_{uuid.uuid4().hex[:12]}")

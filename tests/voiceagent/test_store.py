@@ -1,5 +1,6 @@
-"""The SQLite turn store: round trips, concurrent writers, durability across a kill, a database
-that refuses writes, and retention."""
+"""The turn store on both backends (SQLite; PostgreSQL, on a real server): round trips,
+concurrent writers, durability across a kill, journals of gone processes, the schema version,
+and retention; and SQLite's locked database. PostgreSQL's own cases: test_store_postgres.py."""
 
 from __future__ import annotations
 
@@ -10,17 +11,62 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.voiceagent.turns import make_turn
-from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore
+from voiceagent.dashboard.store import CallInfo, SQLTurnStore, StoreError
+from voiceagent.dashboard.store_postgres import PostgresTurnStore
+from voiceagent.dashboard.store_sqlite import SQLiteTurnStore
 from voiceagent.pipeline.records import TurnRecords
 from voiceagent.pipeline.turn_record import TurnRecord
 
 
-def test_a_turn_round_trips_with_every_field(tmp_path):
-    store = SQLiteTurnStore(tmp_path / "t.sqlite")
+@dataclass
+class Backend:
+    """Where a test's store lives: `files` is the stem of its journals and rejected file; `url`
+    a fresh PostgreSQL database, or None for the SQLite file at `files`."""
+
+    files: Path
+    url: str | None = None
+
+    def open(self, **options) -> SQLTurnStore:
+        if self.url:
+            return PostgresTurnStore(self.url, self.files, **options)
+        return SQLiteTurnStore(self.files, **options)
+
+    def source(self) -> str:
+        """`open()` as Python source, for a subprocess."""
+        if self.url:
+            return ("from pathlib import Path\n"
+                    "from voiceagent.dashboard.store_postgres import PostgresTurnStore\n"
+                    f"store = PostgresTurnStore({self.url!r}, Path({str(self.files)!r}))\n")
+        return ("from voiceagent.dashboard.store_sqlite import SQLiteTurnStore\n"
+                f"store = SQLiteTurnStore({str(self.files)!r})\n")
+
+    def set_schema_version(self, version: int) -> None:
+        sql = f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'"
+        if self.url:
+            with psycopg.connect(self.url, autocommit=True) as db:
+                db.execute(sql)
+        else:
+            with sqlite3.connect(self.files) as db:
+                db.execute(sql)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request, tmp_path) -> Backend:
+    if request.param == "sqlite":
+        return Backend(tmp_path / "t.sqlite")
+    # A fresh database of the session's server, started only when a test gets this far.
+    return Backend(tmp_path / "postgres", request.getfixturevalue("postgres_url"))
+
+
+def test_a_turn_round_trips_with_every_field(backend):
+    store = backend.open()
     record = make_turn()
     store.write(record)
     assert store.flush()
@@ -29,8 +75,8 @@ def test_a_turn_round_trips_with_every_field(tmp_path):
     store.close()
 
 
-def test_calls_are_listed_newest_first_with_their_turn_counts(tmp_path):
-    store = SQLiteTurnStore(tmp_path / "t.sqlite")
+def test_calls_are_listed_newest_first_with_their_turn_counts(backend):
+    store = backend.open()
     store.start_call(CallInfo("a", "twilio", 10.0, "ngram", "cfg", "card"))
     store.write(make_turn("a", 1, 11.0))
     store.write(make_turn("a", 2, 12.0, interrupted=True))
@@ -47,8 +93,8 @@ def test_calls_are_listed_newest_first_with_their_turn_counts(tmp_path):
     store.close()
 
 
-def test_concurrent_writers_lose_nothing(tmp_path):
-    store = SQLiteTurnStore(tmp_path / "t.sqlite")
+def test_concurrent_writers_lose_nothing(backend):
+    store = backend.open()
 
     def one_call(n: int) -> None:
         for turn in range(1, 51):
@@ -65,8 +111,8 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     store.close()
 
 
-def test_transcripts_off_stores_no_words(tmp_path):
-    store = SQLiteTurnStore(tmp_path / "t.sqlite", transcripts=False)
+def test_transcripts_off_stores_no_words(backend):
+    store = backend.open(transcripts=False)
     store.write(make_turn(user_text="my card number is 4111"))
     store.flush()
     [back] = store.turns()
@@ -75,13 +121,10 @@ def test_transcripts_off_stores_no_words(tmp_path):
     store.close()
 
 
-def test_a_killed_process_loses_no_committed_turn(tmp_path):
-    db = tmp_path / "t.sqlite"
-    writer = textwrap.dedent(f"""
-        import sys, time
+def test_a_killed_process_loses_no_committed_turn(backend):
+    writer = backend.source() + textwrap.dedent("""
+        import time
         from tests.voiceagent.turns import make_turn
-        from voiceagent.dashboard.store import SQLiteTurnStore
-        store = SQLiteTurnStore({str(db)!r})
         for n in range(1, 41):
             store.write(make_turn("k", n, float(n)))
         store.flush()
@@ -97,7 +140,7 @@ def test_a_killed_process_loses_no_committed_turn(tmp_path):
     finally:
         proc.kill()  # SIGKILL: no clean-up of any kind
         proc.wait()
-    store = SQLiteTurnStore(db)
+    store = backend.open()
     assert store.flush()  # the journal of the killed process is committed first
     turns = store.turns()
     assert len(turns) >= 40
@@ -105,13 +148,11 @@ def test_a_killed_process_loses_no_committed_turn(tmp_path):
     store.close()
 
 
-def test_a_store_of_another_schema_version_is_refused(tmp_path):
-    db = tmp_path / "t.sqlite"
-    SQLiteTurnStore(db).close()
-    with sqlite3.connect(db) as conn:
-        conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
-    with pytest.raises(RuntimeError, match="schema version 99"):
-        SQLiteTurnStore(db)
+def test_a_store_of_another_schema_version_is_refused(backend):
+    backend.open().close()
+    backend.set_schema_version(99)
+    with pytest.raises(StoreError, match="schema version 99, this voiceagent reads version 1"):
+        backend.open()
 
 
 def test_the_server_keeps_only_its_recent_calls_in_memory():
@@ -191,44 +232,42 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_a_gone_process_journal_is_committed_and_a_torn_line_or_bad_entry_set_aside(tmp_path):
-    db = tmp_path / "t.sqlite"
-    SQLiteTurnStore(db).close()
+def test_a_gone_process_journal_is_committed_and_a_torn_line_or_bad_entry_set_aside(backend):
+    backend.open().close()
     good = json.dumps({"kind": "turn", "payload": make_turn("j", 1, 1.0).to_dict()})
     bad = json.dumps({"kind": "turn", "payload": {"call_id": "no other field"}})
     later = json.dumps({"kind": "turn", "payload": make_turn("j", 2, 2.0).to_dict()})
-    journal = tmp_path / f"t.sqlite.journal-{_dead_pid()}"
+    journal = backend.files.with_name(f"{backend.files.name}.journal-{_dead_pid()}")
     journal.write_text("\n".join([good, good[: len(good) // 2], bad, later]) + "\n")
-    store = SQLiteTurnStore(db)
+    store = backend.open()
     assert store.flush()
     assert [t["turn"] for t in store.turns()] == [1, 2]  # the torn line and the bad entry skipped
-    rejected = (tmp_path / "t.sqlite.rejected.jsonl").read_text().splitlines()
-    assert len(rejected) == 1 and "KeyError" in json.loads(rejected[0])["error"]
+    rejected = backend.files.with_name(f"{backend.files.name}.rejected.jsonl")
+    [line] = rejected.read_text().splitlines()
+    assert "KeyError" in json.loads(line)["error"]
     assert store.write_errors == 1 and not store.failing
     assert _wait(lambda: not journal.exists())  # committed, then deleted
     store.close()
 
 
-def test_a_running_process_journal_is_left_alone(tmp_path):
-    db = tmp_path / "t.sqlite"
-    other = tmp_path / "t.sqlite.journal-1"  # pid 1 always runs
+def test_a_running_process_journal_is_left_alone(backend):
+    other = backend.files.with_name(f"{backend.files.name}.journal-1")  # pid 1 always runs
     line = json.dumps({"kind": "turn", "payload": make_turn("theirs", 1, 1.0).to_dict()})
     other.write_text(line + "\n")
-    store = SQLiteTurnStore(db)
+    store = backend.open()
     assert store.flush()
     assert store.turns() == [] and other.read_text() == line + "\n"
     store.close()
 
 
-def test_turns_older_than_the_retention_period_are_deleted(tmp_path):
-    db = tmp_path / "t.sqlite"
+def test_turns_older_than_the_retention_period_are_deleted(backend):
     now = time.time()
-    store = SQLiteTurnStore(db)
+    store = backend.open()
     store.start_call(CallInfo("old", "twilio", now - 40 * 86400))
     store.write(make_turn("old", 1, now - 40 * 86400))
     store.write(make_turn("new", 1, now - 86400))
     store.close()
-    kept = SQLiteTurnStore(db, retention_days=30)  # retention runs as the writer starts
+    kept = backend.open(retention_days=30)  # retention runs as the writer starts
     assert _wait(lambda: [c["call_id"] for c in kept.calls()] == ["new"])
     assert [t["call_id"] for t in kept.turns()] == ["new"]
     kept.close()

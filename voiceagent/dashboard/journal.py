@@ -3,11 +3,11 @@
 Each write is appended as one JSON line (the operating system's page cache: it survives a killed
 process) before the store's writer thread commits it. The writer empties the journal whenever it
 has committed everything queued. Every process that opens the store has its own journal,
-`<store>.journal-<pid>`, so a `voiceagent call` beside a running `serve` never empties the
-server's; the journals of processes that are gone (a kill, a crash, a database that refused
-writes until the end) are committed by the next process to open the store, then deleted. Every
-write is idempotent (INSERT OR REPLACE), so committing an entry twice is harmless. A torn last
-line (killed mid-append) is skipped.
+`<store>.journal-<pid>` (`<runs_dir>/postgres.journal-<pid>` for a PostgreSQL store), so a
+`voiceagent call` beside a running `serve` never empties the server's; the journals of this
+machine's processes that are gone (a kill, a crash, a database that refused writes until the end)
+are committed by the next process here to open the store, then deleted. Every write is an upsert,
+so committing an entry twice is harmless. A torn last line (killed mid-append) is skipped.
 """
 
 from __future__ import annotations

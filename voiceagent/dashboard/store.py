@@ -1,17 +1,22 @@
 """The durable turn store: every finished turn, and the calls they belong to.
 
-`TurnStore` is the interface the server, the dashboard and `voiceagent report` use; SQLite is the
-one implementation (a server database such as PostgreSQL can take its place when several `serve`
-processes share one dashboard). SQLite runs in WAL mode with synchronous=FULL: each turn is its own
-transaction, committed on a writer thread (never on the event loop). Readers open their own
-connections; WAL lets them read while the writer writes.
+`TurnStore` is the interface the server, the dashboard and `voiceagent report` use; `open_store`
+picks the backend from the config. SQLite (`store_sqlite`, the default) is one file that one
+machine's processes share. PostgreSQL (`store_postgres`, when `store.url` names one) is shared by
+`serve` processes on any number of machines, so one dashboard shows all their calls; retention and
+the schema check work the same, and journals stay on each machine.
+
+This module holds what both backends share, written once: the schema and SQL, the writer thread,
+and its durability. Each turn is its own transaction, committed on the writer thread (never on
+the event loop); readers open their own connections.
 
 Nothing written is lost: each write goes to a journal file before it is queued
 (`voiceagent.dashboard.journal`), so a killed process, a shutdown that cannot wait, or a full
 queue (`store.max_queue`) leaves it there to be committed later. A commit the database refuses
-for now (locked, disk full) is retried with backoff, counted (`on_error`) and shown by `health()`;
-the queue stays bounded meanwhile. A write that can never succeed (a malformed entry) is set aside
-in `<store>.rejected.jsonl`, counted, and the writer goes on. Turns and calls older than
+for now (locked, disk full, a PostgreSQL server restarting or out of reach) is retried with
+backoff, counted (`on_error`) and shown by `health()` (`/healthz` says "degraded"); the queue
+stays bounded meanwhile. A write that can never succeed (a malformed entry) is set aside in
+`<store>.rejected.jsonl`, counted, and the writer goes on. Turns and calls older than
 `retention_days` are deleted hourly.
 """
 
@@ -20,27 +25,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
-import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from loguru import logger
 
 from voiceagent.dashboard.journal import Journal, orphans, read_entries
 from voiceagent.pipeline.turn_record import TurnRecord
 
+if TYPE_CHECKING:
+    from voiceagent.config import Config
+
 SCHEMA_VERSION = 1
+# One text for both backends: DOUBLE PRECISION is PostgreSQL's 8-byte float (its REAL has 4
+# bytes) and SQLite's REAL.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
     kind TEXT NOT NULL,              -- webrtc | twilio | simulated
-    started_at REAL NOT NULL,        -- unix seconds
-    ended_at REAL,
+    started_at DOUBLE PRECISION NOT NULL,  -- unix seconds
+    ended_at DOUBLE PRECISION,
     method TEXT,                     -- speculation method: off | ngram | draft
     config_hash TEXT,
     pair_card_hash TEXT
@@ -48,7 +59,7 @@ CREATE TABLE IF NOT EXISTS calls (
 CREATE TABLE IF NOT EXISTS turns (
     call_id TEXT NOT NULL,
     turn INTEGER NOT NULL,
-    started_at REAL NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL,
     method TEXT,
     interrupted INTEGER NOT NULL,
     record TEXT NOT NULL,            -- TurnRecord.to_dict() as JSON
@@ -60,6 +71,11 @@ CREATE INDEX IF NOT EXISTS calls_started ON calls (started_at);
 TRANSCRIPT_FIELDS = ("user_text", "bot_text", "llm_text")
 RETENTION_EVERY_S = 3600.0
 MAX_BACKOFF_S = 5.0
+
+
+class StoreError(ValueError):
+    """The store cannot be opened: out of reach, or of a schema version this code does not
+    read. A ValueError, so the command line prints it as one line."""
 
 
 def shareable(record: TurnRecord, transcripts: bool) -> dict:
@@ -84,6 +100,8 @@ class CallInfo:
 class TurnStore(Protocol):
     """Writes never block (they are queued); reads return plain dicts, newest first."""
 
+    where: str  # the store's name in messages: its file, or its URL without the password
+
     def start_call(self, info: CallInfo) -> None: ...
 
     def end_call(self, call_id: str, ended_at: float) -> None: ...
@@ -104,40 +122,107 @@ class TurnStore(Protocol):
     def turns(self, since: float | None = None, limit: int | None = None) -> list[dict]: ...
 
 
-class SQLiteTurnStore:
-    def __init__(self, path: str | Path, transcripts: bool = True, max_queue: int = 10_000,
-                 retention_days: float | None = None,
-                 on_error: Callable[[str], None] | None = None):
-        self.path = Path(path).expanduser()
+def open_store(cfg: Config, on_error: Callable[[str], None] | None = None,
+               retain: bool = True) -> TurnStore:
+    """The configured store: PostgreSQL when `store.url` is set, else the SQLite file. `retain`
+    False: old turns are not deleted by this process (a reader such as `voiceagent report`)."""
+    s = cfg.store
+    retention_days = s.retention_days if retain else None
+    if s.url:
+        from voiceagent.dashboard.store_postgres import PostgresTurnStore
+
+        return PostgresTurnStore(s.url, Path(cfg.paths.runs_dir).expanduser() / "postgres",
+                                 s.transcripts, s.max_queue, retention_days, on_error)
+    from voiceagent.config import store_path
+    from voiceagent.dashboard.store_sqlite import SQLiteTurnStore
+
+    return SQLiteTurnStore(store_path(cfg), s.transcripts, s.max_queue, retention_days, on_error)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SQLiteTurnStore":  # its import path from before there were two backends
+        from voiceagent.dashboard.store_sqlite import SQLiteTurnStore
+
+        return SQLiteTurnStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class SQLTurnStore(ABC):
+    """The shared writer and SQL. A backend says how to connect, how a transaction is opened,
+    how the schema is created, how its driver spells a parameter, and which errors mean "not
+    now" (`transient`: retried) as against "never" (set aside)."""
+
+    transient: tuple[type[Exception], ...]
+    errors: tuple[type[Exception], ...]  # every error of the driver
+
+    def __init__(self, where: str, files: Path, transcripts: bool, max_queue: int,
+                 retention_days: float | None, on_error: Callable[[str], None] | None):
+        """`files`: the stem of this machine's files for the store, `<files>.journal-<pid>` and
+        `<files>.rejected.jsonl`."""
+        self.where = where
+        self.files = files
         self.transcripts = transcripts
         self.retention_days = retention_days
         self.on_error = on_error  # called on the writer thread with each failure's text
-        self.busy_timeout_s = 30.0  # how long a write waits for another writer's lock
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
-            db.executescript(SCHEMA)
-            row = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is None:
-                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise RuntimeError(f"turn store {self.path} has schema version {row[0]}, this "
-                                   f"voiceagent reads version {SCHEMA_VERSION}")
-        self._journal = Journal(self.path)
+        files.parent.mkdir(parents=True, exist_ok=True)
+        self._open_schema()
+        self._journal = Journal(files)
         self._queue: queue.Queue = queue.Queue(max_queue)
         self._overflowed = False  # a write found the queue full: it is in the journal only
         self._closing = False
         self.write_errors = 0
         self.last_error: str | None = None
         self.failing = False  # the last commit failed
-        self._db: sqlite3.Connection | None = None
+        self._db: Any = None
         self._thread = threading.Thread(target=self._run, name="turn-store", daemon=True)
         self._thread.start()
 
-    def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, timeout=self.busy_timeout_s)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        return db
+    # What a backend provides.
+
+    @abstractmethod
+    def _connect(self) -> Any: ...
+
+    @abstractmethod
+    def _transaction(self, db) -> AbstractContextManager: ...
+
+    @abstractmethod
+    def _create_schema(self, db) -> None:
+        """Create what is missing, inside the transaction that then checks the version."""
+
+    @abstractmethod
+    def _execute(self, db, sql: str, params: tuple = ()) -> Any:
+        """Run `sql`, written with `?` parameters; the cursor."""
+
+    # Opening.
+
+    def _open_schema(self) -> None:
+        try:
+            with self._session() as db, self._transaction(db):
+                self._create_schema(db)
+                row = self._execute(
+                    db, "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                if row is None:
+                    self._execute(db, "INSERT INTO meta VALUES ('schema_version', ?) "
+                                  "ON CONFLICT DO NOTHING", (str(SCHEMA_VERSION),))
+                elif int(row[0]) != SCHEMA_VERSION:
+                    raise StoreError(f"turn store {self.where} has schema version {row[0]}, "
+                                     f"this voiceagent reads version {SCHEMA_VERSION}")
+        except self.errors as exc:
+            raise StoreError(f"cannot open the turn store {self.where}: {self._explain(exc)}") \
+                from None
+
+    def _explain(self, exc: Exception) -> str:
+        """The error's text on one line, fit for a log and /healthz."""
+        return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+    @contextmanager
+    def _session(self) -> Iterator[Any]:
+        """A connection of its own, closed after use."""
+        db = self._connect()
+        try:
+            yield db
+        finally:
+            db.close()
 
     # Writes: journaled and queued (never blocking), committed one by one on the writer thread.
 
@@ -187,7 +272,7 @@ class SQLiteTurnStore:
     def _run(self) -> None:
         # What earlier processes left uncommitted (this pid's own file: a reused pid).
         self._replay()
-        for path in orphans(self.path):
+        for path in orphans(self.files):
             if self._commit_all(read_entries(path), f"{path.name}"):
                 path.unlink(missing_ok=True)
         next_retention = 0.0
@@ -243,13 +328,13 @@ class SQLiteTurnStore:
             try:
                 if self._db is None:
                     self._db = self._connect()
-                with self._db:  # one transaction per write
+                with self._transaction(self._db):  # one transaction per write
                     getattr(self, f"_write_{kind}")(self._db, payload)
                 if self.failing:
                     logger.info("turn store: writes succeed again")
                 self.failing = False
                 return True
-            except (sqlite3.OperationalError, OSError) as exc:  # locked, busy, disk full, I/O
+            except (*self.transient, OSError) as exc:  # locked, busy, disk full, out of reach
                 self._count(exc, "retrying")
                 self.failing = True
                 if self._db is not None:
@@ -268,13 +353,13 @@ class SQLiteTurnStore:
 
     @property
     def _rejected(self) -> Path:
-        return self.path.with_name(self.path.name + ".rejected.jsonl")
+        return self.files.with_name(self.files.name + ".rejected.jsonl")
 
     def _count(self, exc: Exception, then: str) -> None:
         self.write_errors += 1
-        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.last_error = f"{type(exc).__name__}: {self._explain(exc)}"
         if not self.failing:
-            logger.error(f"turn store {self.path}: write failed ({self.last_error}); {then}")
+            logger.error(f"turn store {self.where}: write failed ({self.last_error}); {then}")
         if self.on_error is not None:
             self.on_error(self.last_error)
 
@@ -283,80 +368,90 @@ class SQLiteTurnStore:
             return
         cutoff = time.time() - self.retention_days * 86400
         try:
-            with self._connect() as db:
-                gone = db.execute("DELETE FROM turns WHERE started_at < ?", (cutoff,)).rowcount
-                db.execute("DELETE FROM calls WHERE started_at < ? AND call_id NOT IN "
-                           "(SELECT call_id FROM turns)", (cutoff,))
+            with self._session() as db, self._transaction(db):
+                gone = self._execute(db, "DELETE FROM turns WHERE started_at < ?",
+                                     (cutoff,)).rowcount
+                self._execute(db, "DELETE FROM calls WHERE started_at < ? AND call_id NOT IN "
+                              "(SELECT call_id FROM turns)", (cutoff,))
             if gone:
                 logger.info(f"turn store: deleted {gone} turn(s) older than "
                             f"{self.retention_days:g} days")
-        except sqlite3.Error as exc:  # the next hour tries again; writes are unaffected
+        except self.errors as exc:  # the next hour tries again; writes are unaffected
             self._count(exc, "retention skipped")
 
-    @staticmethod
-    def _write_call(db: sqlite3.Connection, info: dict) -> None:
+    # The writes are upserts: committing a journaled write twice is harmless.
+
+    def _write_call(self, db, info: dict) -> None:
         info = CallInfo(**info)
-        db.execute(
-            "INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?, ?, ?)",
+        self._execute(
+            db,
+            """INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (call_id) DO UPDATE
+               SET kind = excluded.kind, started_at = excluded.started_at,
+                   ended_at = excluded.ended_at, method = excluded.method,
+                   config_hash = excluded.config_hash, pair_card_hash = excluded.pair_card_hash""",
             (info.call_id, info.kind, info.started_at, info.ended_at, info.method,
              info.config_hash, info.pair_card_hash),
         )
 
-    @staticmethod
-    def _write_end(db: sqlite3.Connection, payload: list) -> None:
-        db.execute("UPDATE calls SET ended_at = ? WHERE call_id = ?", (payload[1], payload[0]))
+    def _write_end(self, db, payload: list) -> None:
+        self._execute(db, "UPDATE calls SET ended_at = ? WHERE call_id = ?",
+                      (payload[1], payload[0]))
 
-    @staticmethod
-    def _write_turn(db: sqlite3.Connection, data: dict) -> None:
+    def _write_turn(self, db, data: dict) -> None:
         method = (data.get("engine") or {}).get("method")
         # A turn of a call nobody registered (e.g. a simulated one) still gets its call row.
-        db.execute(
-            "INSERT OR IGNORE INTO calls (call_id, kind, started_at, method) VALUES (?, ?, ?, ?)",
+        self._execute(
+            db,
+            "INSERT INTO calls (call_id, kind, started_at, method) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT DO NOTHING",
             (data["call_id"], "simulated", data["started_at"], method),
         )
-        db.execute(
-            "INSERT OR REPLACE INTO turns VALUES (?, ?, ?, ?, ?, ?)",
+        self._execute(
+            db,
+            """INSERT INTO turns VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (call_id, turn) DO UPDATE
+               SET started_at = excluded.started_at, method = excluded.method,
+                   interrupted = excluded.interrupted, record = excluded.record""",
             (data["call_id"], data["turn"], data["started_at"], method,
              int(bool(data["interrupted"])), json.dumps(data)),
         )
 
-    # Reads: a fresh connection each, so any thread may call them.
+    # Reads: a connection each, so any thread may call them.
+
+    def _rows(self, sql: str, params: tuple) -> list[dict]:
+        with self._session() as db:
+            return _dicts(self._execute(db, sql, params))
 
     def calls(self, since: float | None = None, before: float | None = None,
               limit: int = 50) -> list[dict]:
         """Calls started in [since, before), newest first, with per-call turn counts."""
-        with self._connect() as db:
-            db.row_factory = sqlite3.Row
-            rows = db.execute(
-                """SELECT c.*, COUNT(t.turn) AS turns, COALESCE(SUM(t.interrupted), 0)
-                       AS interrupted_turns
-                   FROM calls c LEFT JOIN turns t ON t.call_id = c.call_id
-                   WHERE c.started_at >= ? AND c.started_at < ?
-                   GROUP BY c.call_id ORDER BY c.started_at DESC LIMIT ?""",
-                (since if since is not None else float("-inf"),
-                 before if before is not None else float("inf"), limit),
-            ).fetchall()
-        return [dict(r) for r in rows]
+        return self._rows(
+            """SELECT c.*, COUNT(t.turn) AS turns, COALESCE(SUM(t.interrupted), 0)
+                   AS interrupted_turns
+               FROM calls c LEFT JOIN turns t ON t.call_id = c.call_id
+               WHERE c.started_at >= ? AND c.started_at < ?
+               GROUP BY c.call_id ORDER BY c.started_at DESC LIMIT ?""",
+            (since if since is not None else float("-inf"),
+             before if before is not None else float("inf"), limit),
+        )
 
     def call(self, call_id: str) -> dict | None:
-        with self._connect() as db:
-            db.row_factory = sqlite3.Row
-            row = db.execute("SELECT * FROM calls WHERE call_id = ?", (call_id,)).fetchone()
-            if row is None:
+        with self._session() as db:
+            found = _dicts(self._execute(db, "SELECT * FROM calls WHERE call_id = ?", (call_id,)))
+            if not found:
                 return None
-            turns = db.execute(
-                "SELECT record FROM turns WHERE call_id = ? ORDER BY turn", (call_id,)
-            ).fetchall()
-        return {"call": dict(row), "turns": [json.loads(t["record"]) for t in turns]}
+            turns = self._execute(db, "SELECT record FROM turns WHERE call_id = ? ORDER BY turn",
+                                  (call_id,)).fetchall()
+        return {"call": found[0], "turns": [json.loads(t[0]) for t in turns]}
 
     def turns(self, since: float | None = None, limit: int | None = None) -> list[dict]:
         """Turn records started at or after `since`, oldest first (the newest `limit`)."""
-        with self._connect() as db:
-            rows = db.execute(
-                """SELECT record FROM (SELECT record, started_at FROM turns
-                   WHERE started_at >= ? ORDER BY started_at DESC LIMIT ?)
-                   ORDER BY started_at""",
-                (since if since is not None else float("-inf"), limit or -1),
-            ).fetchall()
-        return [json.loads(r[0]) for r in rows]
+        newest = "SELECT record, started_at FROM turns WHERE started_at >= ? ORDER BY " \
+                 "started_at DESC" + (" LIMIT ?" if limit else "")
+        params = (since if since is not None else float("-inf"),) + ((limit,) if limit else ())
+        rows = self._rows(f"SELECT record FROM ({newest}) AS recent ORDER BY started_at", params)
+        return [json.loads(r["record"]) for r in rows]
 
+
+def _dicts(cursor) -> list[dict]:
+    names = [column[0] for column in cursor.description]
+    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 from pipecat.transports.smallwebrtc.request_handler import SmallWebRTCRequestHandler
 
-from voiceagent.config import Config, config_hash, store_path
+from voiceagent.config import Config, config_hash
 from voiceagent.dashboard.events import EventHub
 from voiceagent.dashboard.metrics import TurnMetrics
-from voiceagent.dashboard.store import CallInfo, SQLiteTurnStore, TurnStore
+from voiceagent.dashboard.store import CallInfo, TurnStore, open_store
 from voiceagent.llm_setup import resident_bytes
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.records import TurnRecords
@@ -79,9 +79,7 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
 
     metrics = TurnMetrics(active_calls=lambda: len(calls.active), resident_bytes=resident,
                           engine_worker_up=worker_up)
-    store = SQLiteTurnStore(
-        store_path(cfg), cfg.store.transcripts, cfg.store.max_queue, cfg.store.retention_days,
-        on_error=lambda _error: metrics.errors.labels("store_write").inc())
+    store = open_store(cfg, on_error=lambda _error: metrics.errors.labels("store_write").inc())
     metrics.watch_store(store.health)
     metrics.watch_engine(lambda: state.shared.engine.in_flight if state.shared else 0)
     state = ServerState(cfg, calls, store, events, metrics,

@@ -1,0 +1,73 @@
+"""The PostgreSQL turn store (`store.url`): one database for many `serve` processes, on one
+machine or many, so that one dashboard shows every call.
+
+Each process keeps its journal on its own disk (`<runs_dir>/postgres.journal-<pid>`): a turn
+that PostgreSQL cannot take now (a restart, an outage) waits there and is committed when the
+server is back. Processes that start together create the schema one at a time (an advisory lock
+held by the creating transaction). A runs dir serves one store: a gone process's journal there
+is committed to the store of the next process that opens one. The password never reaches a
+message or a log: the URL is shown without it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import psycopg
+
+from voiceagent.dashboard.store import SCHEMA, SQLTurnStore
+
+SCHEMA_LOCK = 0x766F6963  # pg_advisory_xact_lock key of the schema's creation ("voic")
+CONNECT_TIMEOUT_S = 5  # an unreachable host is reported, not waited for
+
+
+def redact(url: str) -> str:
+    """The URL without its password (in the user part or as a `password` parameter; or a
+    key=value conninfo's `password`)."""
+    if "://" not in url:
+        return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # malformed (e.g. an unclosed IPv6 bracket): hide all before the host
+        return re.sub(r"://[^@]*@", "://***@", url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = urlencode([(k, "***" if k == "password" else v)
+                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+class PostgresTurnStore(SQLTurnStore):
+    transient = (psycopg.OperationalError,)  # connection lost or refused, shutdown, deadlock
+    errors = (psycopg.Error,)
+
+    def __init__(self, url: str, files: Path, transcripts: bool = True, max_queue: int = 10_000,
+                 retention_days: float | None = None,
+                 on_error: Callable[[str], None] | None = None):
+        self.url = url
+        super().__init__(redact(url), files, transcripts, max_queue, retention_days, on_error)
+
+    def _explain(self, exc: Exception) -> str:
+        # libpq quotes a URL it cannot parse whole, password and all.
+        return super()._explain(exc).replace(self.url, self.where)
+
+    def _connect(self) -> psycopg.Connection:
+        # autocommit: a transaction only where `_transaction` opens one, none left idle by reads
+        return psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+
+    def _transaction(self, db: psycopg.Connection) -> AbstractContextManager:
+        return db.transaction()
+
+    def _create_schema(self, db: psycopg.Connection) -> None:
+        # CREATE ... IF NOT EXISTS alone races: two creators can both miss the table.
+        db.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+        db.execute(SCHEMA)
+
+    def _execute(self, db: psycopg.Connection, sql: str, params: tuple = ()) -> psycopg.Cursor:
+        return db.execute(sql.replace("?", "%s"), params)
