@@ -54,8 +54,8 @@ async def simulate_call(
     records = TurnRecords([sink, store])
     call = build_call(cfg, shared, transport, records.add, method=method)
     store.start_call(CallInfo(
-        call.call_id, "simulated", time.time(), method or cfg.engine.speculation.method,
-        config_hash(cfg), shared.llm.card.card_hash,
+        call.call_id, "simulated", time.time(), method or shared.chat.name,
+        config_hash(cfg), shared.llm.card.card_hash if shared.llm else None,
     ))
     runner = WorkerRunner(handle_sigint=False)
     await runner.add_workers(call.task)

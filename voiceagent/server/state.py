@@ -54,9 +54,10 @@ class ServerState:
             self.metrics.errors.labels("call_failed").inc()
             return
         ended_at = time.time() if event == "ended" else None
-        card = self.shared.llm.card.card_hash if self.shared else None
-        info = CallInfo(call.call_id, call.kind, call.started,
-                        self.cfg.engine.speculation.method, config_hash(self.cfg), card, ended_at)
+        llm = self.shared.llm if self.shared else None
+        method = self.shared.chat.name if self.shared else self.cfg.engine.speculation.method
+        info = CallInfo(call.call_id, call.kind, call.started, method, config_hash(self.cfg),
+                        llm.card.card_hash if llm else None, ended_at)
         if event == "started":
             self.store.start_call(info)
         else:
@@ -81,7 +82,8 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
                           engine_worker_up=worker_up)
     store = open_store(cfg, on_error=lambda _error: metrics.errors.labels("store_write").inc())
     metrics.watch_store(store.health)
-    metrics.watch_engine(lambda: state.shared.engine.in_flight if state.shared else 0)
+    metrics.watch_engine(
+        lambda: state.shared.engine.in_flight if state.shared and state.shared.engine else 0)
     state = ServerState(cfg, calls, store, events, metrics,
                         TurnRecords([store, events, metrics]), shared=shared)
     calls.listeners.append(state.on_call)
