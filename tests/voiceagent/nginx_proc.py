@@ -1,0 +1,143 @@
+"""nginx as a test's own process, on loopback ports, serving deploy/nginx/voiceagent.conf with
+only its ports, server name and certificate paths replaced; and a throwaway TLS CA for it.
+
+Nothing is written under /var: the pid, logs and temp files live in the test's folder.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from tests.voiceagent.server_proc import REPO, log_tail
+
+CONF = REPO / "deploy" / "nginx" / "voiceagent.conf"
+NGINX = shutil.which("nginx", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"]))
+START_TIMEOUT_S = 10.0
+
+
+def make_certs(folder: Path, host: str) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate, server key): a CA made here, and a certificate it
+    signed for `host` and 127.0.0.1. Clients trust the CA file only."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.now(timezone.utc)
+
+    def builder(subject: str, issuer: x509.Name, key) -> x509.CertificateBuilder:
+        return (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                .issuer_name(issuer).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - timedelta(minutes=5))
+                .not_valid_after(now + timedelta(days=1)))
+
+    def usage(**on: bool) -> x509.KeyUsage:
+        names = ("digital_signature", "content_commitment", "key_encipherment",
+                 "data_encipherment", "key_agreement", "key_cert_sign", "crl_sign",
+                 "encipher_only", "decipher_only")
+        return x509.KeyUsage(**{n: on.get(n, False) for n in names})
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "voiceagent test CA")])
+    ca = (builder("voiceagent test CA", ca_name, ca_key)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(usage(key_cert_sign=True, crl_sign=True), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
+                         critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [x509.DNSName(host), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (builder(host, ca_name, key)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(usage(digital_signature=True), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    paths = folder / "ca.pem", folder / "cert.pem", folder / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(pem))
+    paths[1].write_bytes(cert.public_bytes(pem))
+    paths[2].write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+def render(*, host: str, tls_port: int, http_port: int, upstreams: tuple[int, int],
+           cert: Path, key: Path) -> str:
+    """The shipped snippet with the values an operator edits replaced, listening on loopback."""
+    conf = CONF.read_text()
+    swaps = {
+        "listen 443 ssl;": f"listen 127.0.0.1:{tls_port} ssl;",
+        "listen 80;": f"listen 127.0.0.1:{http_port};",
+        "server 127.0.0.1:7861;": f"server 127.0.0.1:{upstreams[0]};",
+        "server 127.0.0.1:7862;": f"server 127.0.0.1:{upstreams[1]};",
+        "/etc/letsencrypt/live/voice.example.com/fullchain.pem": str(cert),
+        "/etc/letsencrypt/live/voice.example.com/privkey.pem": str(key),
+        "voice.example.com": host,
+    }
+    for old, new in swaps.items():
+        assert old in conf, f"{CONF} no longer has {old!r}: update the test's rendering"
+        conf = conf.replace(old, new)
+    listens = [line.split()[1] for line in conf.splitlines()
+               if line.strip().startswith("listen ")]
+    assert listens and all(a.startswith("127.0.0.1:") for a in listens), listens
+    return conf
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_nginx(snippet: str, folder: Path, port: int) -> Iterator[Path]:
+    """nginx in the foreground with `snippet` in its http {} context, until `port` listens;
+    yields its error log."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "voiceagent.conf").write_text(snippet)
+    # Debian's build keeps temp files under /var/lib/nginx; as root its workers would run as
+    # nobody, who cannot enter the test's private folder.
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    temp = "\n".join(f"    {kind}_temp_path {folder}/{kind};"
+                     for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    main = folder / "nginx.conf"
+    main.write_text(f"{user}worker_processes 1;\nevents {{ worker_connections 256; }}\n"
+                    f"http {{\n    access_log {folder}/access.log;\n{temp}\n"
+                    f"    include {folder}/voiceagent.conf;\n}}\n")
+    error_log = folder / "error.log"
+    globals_ = f"daemon off; pid {folder}/nginx.pid; error_log {error_log} info;"
+    with open(folder / "stderr.log", "wb") as out:
+        proc = subprocess.Popen([NGINX, "-p", str(folder), "-c", str(main), "-g", globals_],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not _listening(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nginx did not start ({proc.poll()}):\n"
+                                   f"{log_tail(folder / 'stderr.log')}\n{log_tail(error_log)}")
+            time.sleep(0.05)
+        yield error_log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
