@@ -23,6 +23,9 @@ from voiceagent.dashboard.store import SCHEMA, SQLTurnStore
 
 SCHEMA_LOCK = 0x766F6963  # pg_advisory_xact_lock key of the schema's creation ("voic")
 CONNECT_TIMEOUT_S = 5  # an unreachable host is reported, not waited for
+# A host that stops answering mid-query fails the query (retried from the journal) instead of
+# holding the writer: unacknowledged data times out, and so does any one statement.
+STALL_TIMEOUT_S = 10
 
 
 def redact(url: str) -> str:
@@ -59,7 +62,11 @@ class PostgresTurnStore(SQLTurnStore):
 
     def _connect(self) -> psycopg.Connection:
         # autocommit: a transaction only where `_transaction` opens one, none left idle by reads
-        return psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        return psycopg.connect(
+            self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
+            tcp_user_timeout=STALL_TIMEOUT_S * 1000, keepalives=1, keepalives_idle=5,
+            keepalives_interval=2, keepalives_count=3,
+            options=f"-c statement_timeout={STALL_TIMEOUT_S * 1000}")
 
     def _transaction(self, db: psycopg.Connection) -> AbstractContextManager:
         return db.transaction()
