@@ -53,6 +53,18 @@ async def test_a_host_name_not_configured_is_refused(tmp_path):
     assert rebound.status_code == 400 and "not allowed" in rebound.json()["detail"]
 
 
+async def test_a_server_without_a_token_refuses_what_a_proxy_forwarded(tmp_path):
+    proxied = {"X-Forwarded-For": "203.0.113.9", "X-Forwarded-Proto": "https"}
+    async with _client(tmp_path) as http:
+        open_loopback = await http.get("/api/overview", headers=proxied)
+        direct = await http.get("/api/overview")
+    async with _client(tmp_path, "server.token=s3cret") as http:
+        tokened = await http.get("/api/overview", headers=proxied)
+    assert open_loopback.status_code == 403 and "no token" in open_loopback.json()["detail"]
+    assert direct.status_code == 200
+    assert tokened.status_code == 401  # past the guard: the token decides
+
+
 async def test_a_page_of_another_origin_cannot_call_the_apis(tmp_path):
     async with _client(tmp_path, "server.allowed_origins=[https://ops.example]") as http:
         foreign = await http.get("/api/overview", headers={"Origin": "http://evil.example"})

@@ -5,8 +5,10 @@
 - Origin: a browser request (fetch, EventSource, WebSocket) from a page of another origin is
   refused, unless `server.allowed_origins` names it. Clients that are not browsers (Twilio, curl)
   send no Origin and pass.
+- Proxied: a request that a reverse proxy forwarded (X-Forwarded-*, Forwarded) is refused by a
+  server without a token (unless `allow_public_without_token`): a proxy makes it public.
 
-Refusals: HTTP 400 (host) or 403 (origin) with a JSON `detail`; a WebSocket is refused at its
+Refusals: HTTP 400 (host) or 403 (origin, proxied) with a JSON `detail`; a WebSocket is refused at its
 handshake (HTTP 403). The access log never shows a `token=` query value.
 """
 
@@ -52,6 +54,9 @@ def allowed_hosts(cfg: ServerConfig) -> set[str] | None:
     return names
 
 
+FORWARDED = ("x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "forwarded")
+
+
 class HostOriginGuard:
     def __init__(self, app: ASGIApp, cfg: ServerConfig):
         self.app = app
@@ -59,6 +64,9 @@ class HostOriginGuard:
         self.origins = {o.rstrip("/").lower() for o in cfg.allowed_origins}
         if cfg.public_url:
             self.origins.add(_origin(cfg.public_url))
+        # A loopback server without a token counts on nobody else reaching it; a reverse proxy
+        # in front would hand it to the world.
+        self.refuse_proxied = not (cfg.token or cfg.allow_public_without_token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -67,6 +75,10 @@ class HostOriginGuard:
         host = headers.get("host", "")
         if self.hosts is not None and host_name(host) not in self.hosts:
             return await _refuse(scope, receive, send, 400, f"host {host[:64]!r} not allowed")
+        if self.refuse_proxied and any(h in headers for h in FORWARDED):
+            return await _refuse(scope, receive, send, 403, "a proxy forwarded this request, but "
+                                 "this server has no token: set server.token and "
+                                 "server.public_url for a proxied deployment")
         origin = headers.get("origin")
         if origin is not None and not self._origin_ok(origin, headers):
             return await _refuse(scope, receive, send, 403, f"origin {origin[:64]!r} not allowed")
