@@ -60,30 +60,26 @@ class Completion:
 _DONE = object()
 
 
-class RequestHandle:
-    """An in-flight request: iterate it for text deltas, `cancel()` it, or await `result()`."""
+class DeltaStream:
+    """A request's text deltas, then its `Completion`: iterate it, or await `result()`; either
+    await, cancelled, cancels the request. Subclasses produce into `_queue` (deltas, then
+    `END`) and `_completion`, and say how to `cancel()`."""
 
-    def __init__(self, state: RequestState, loop: asyncio.AbstractEventLoop, tokenizer):
-        self.state = state
-        self._loop = loop
+    END = _DONE
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._detok = IncrementalDetokenizer(tokenizer, state.prompt_ids)
-        self._stops = StopMatcher(state.sampling.stop)
-        self._text: list[str] = []
         self._completion: asyncio.Future = loop.create_future()
-        self.stopped_by_string = False
         self._drained = False  # the end marker was consumed; iteration is over for good
 
     def cancel(self) -> None:
-        """Stop at the next step boundary. Safe from any thread, idempotent."""
-        if not self.state.finished and not self.state.cancelled:
-            self.state.cancel()
+        raise NotImplementedError
 
     @property
     def done(self) -> bool:
         return self._completion.done()
 
-    def __aiter__(self) -> RequestHandle:
+    def __aiter__(self) -> DeltaStream:
         return self
 
     async def __anext__(self) -> TextDelta:
@@ -108,6 +104,25 @@ class RequestHandle:
         except asyncio.CancelledError:
             self.cancel()
             raise
+
+
+class RequestHandle(DeltaStream):
+    """An in-flight engine request: iterate it for text deltas, `cancel()` it, or await
+    `result()`."""
+
+    def __init__(self, state: RequestState, loop: asyncio.AbstractEventLoop, tokenizer):
+        super().__init__(loop)
+        self.state = state
+        self._loop = loop
+        self._detok = IncrementalDetokenizer(tokenizer, state.prompt_ids)
+        self._stops = StopMatcher(state.sampling.stop)
+        self._text: list[str] = []
+        self.stopped_by_string = False
+
+    def cancel(self) -> None:
+        """Stop at the next step boundary. Safe from any thread, idempotent."""
+        if not self.state.finished and not self.state.cancelled:
+            self.state.cancel()
 
     # -- called on the worker thread -----------------------------------------------------------
 

@@ -30,11 +30,10 @@ from loguru import logger
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_engine.config import SamplingConfig
-from llm_engine.serving import Completion, TextDelta
+from llm_engine.serving import Completion, DeltaStream, TextDelta
 from llm_engine.stats import RequestStats
 from voiceagent.config import LLMConfig
 
-_DONE = object()
 # Timing is the client's own; everything else a server's per-request stats say is kept.
 _CLIENT_TIMING = ("method", "ttft_ms", "itl_ms", "token_times_ms", "total_ms",
                   "cancel_to_stop_ms", "finish_reason", "generated_tokens")
@@ -182,55 +181,24 @@ class RemoteChat:
         return args
 
 
-class RemoteHandle:
+class RemoteHandle(DeltaStream):
     """One remote request: iterate it for `TextDelta`s, `cancel()` it, await `result()`."""
 
     def __init__(self, backend: RemoteChat, messages: list[dict[str, str]],
                  sampling: SamplingConfig, session_id: str):
+        super().__init__(asyncio.get_running_loop())
         self._backend = backend
         self._args = backend.request_args(messages, sampling, session_id)
-        self._queue: asyncio.Queue = asyncio.Queue()
         self._text: list[str] = []
         self._cancelled_at: float | None = None
-        self._drained = False
         self._t0 = time.perf_counter()
         self.stats = RequestStats(method=backend.name)
-        self._completion: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self._task = asyncio.create_task(self._run(), name=f"remote-llm-{session_id}")
 
     def cancel(self) -> None:
         if not self._task.done():
             self._cancelled_at = self._cancelled_at or time.perf_counter()
             self._task.cancel()
-
-    @property
-    def done(self) -> bool:
-        return self._completion.done()
-
-    def __aiter__(self) -> RemoteHandle:
-        return self
-
-    async def __anext__(self) -> TextDelta:
-        if self._drained:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        if item is _DONE:
-            self._drained = True
-            raise StopAsyncIteration
-        return item
-
-    async def result(self) -> Completion:
-        try:
-            async for _ in self:
-                pass
-            return await asyncio.shield(self._completion)
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
 
     def _ms(self) -> float:
         return (time.perf_counter() - self._t0) * 1000
@@ -279,7 +247,7 @@ class RemoteHandle:
         if self._cancelled_at is not None:
             stats.cancel_to_stop_ms = (time.perf_counter() - self._cancelled_at) * 1000
         self.stats = stats
-        self._queue.put_nowait(_DONE)
+        self._queue.put_nowait(self.END)
         if not self._completion.done():
             self._completion.set_result(
                 Completion("".join(self._text), [], reason, stats, error))

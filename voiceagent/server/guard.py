@@ -8,8 +8,8 @@
 - Proxied: a request that a reverse proxy forwarded (X-Forwarded-*, Forwarded) is refused by a
   server without a token (unless `allow_public_without_token`): a proxy makes it public.
 
-Refusals: HTTP 400 (host) or 403 (origin, proxied) with a JSON `detail`; a WebSocket is refused at its
-handshake (HTTP 403). The access log never shows a `token=` query value.
+Refusals: HTTP 400 (host) or 403 (origin, proxied) with a JSON `detail`; a WebSocket is refused
+at its handshake (HTTP 403). The access log never shows a `token=` query value.
 """
 
 from __future__ import annotations
