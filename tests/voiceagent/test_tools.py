@@ -1,0 +1,78 @@
+"""Tools: loading the configured entries (clear errors for bad ones), and `Tool.run`, which
+checks arguments, bounds the handler's time and turns every failure into a result."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from voiceagent.tools import ToolError, load_tools
+
+DEMO = "voiceagent.tools.demo"
+
+
+async def _slow(seconds: float) -> dict:
+    await asyncio.sleep(seconds)
+    return {"slept": seconds}
+
+
+async def _broken() -> dict:
+    raise KeyError("no such row")
+
+
+def _spec(**change) -> dict:
+    return {"name": "slow", "description": "sleeps", "handler": f"{__name__}:_slow",
+            "parameters": {"type": "object", "properties": {"seconds": {"type": "number"}},
+                           "required": ["seconds"]}, **change}
+
+
+def test_the_demo_set_loads_with_openai_schemas_and_end_call_ends_the_call():
+    tools = {t.name: t for t in load_tools([DEMO])}
+    assert set(tools) == {"current_time", "lookup_order", "end_call"}
+    assert tools["lookup_order"].schema["function"]["parameters"]["required"] == ["order_id"]
+    assert tools["end_call"].ends_call and not tools["lookup_order"].ends_call
+
+
+async def test_an_order_is_found_from_spoken_digits():
+    (lookup,) = [t for t in load_tools([DEMO]) if t.name == "lookup_order"]
+    found = await lookup.run({"order_id": "4 8 2 1 3"}, timeout_s=2)
+    missing = await lookup.run({"order_id": "11111"}, timeout_s=2)
+    assert found.ok and found.content["status"] == "shipped"
+    assert missing.ok and missing.content == {"order_id": "11111", "found": False}
+
+
+@pytest.mark.parametrize("spec,reason", [
+    (_spec(handler="voiceagent.tools.demo"), "must be 'package.module:function'"),
+    (_spec(handler="voiceagent.tools.demo:nope"), "cannot be imported"),
+    (_spec(handler="json:dumps"), "must be an async function"),
+    (_spec(name="two words"), "needs a name"),
+    (_spec(parameters={"type": "array"}), "must be a JSON schema of type object"),
+    (_spec(parameters={"type": 7}), "not a JSON schema"),
+    ("voiceagent.nope", "cannot import"),
+    ("json", "has no TOOLS list"),
+])
+def test_a_bad_entry_is_refused_naming_it(spec, reason):
+    with pytest.raises(ToolError, match=reason):
+        load_tools([spec])
+
+
+def test_two_tools_of_one_name_are_refused():
+    with pytest.raises(ToolError, match="more than one tool named slow"):
+        load_tools([_spec(), _spec()])
+
+
+@pytest.mark.parametrize("arguments,timeout_s,handler,error", [
+    ({"seconds": "soon"}, 2, "_slow", "bad arguments: 'soon' is not of type 'number'"),
+    ({"seconds": 5}, 0.1, "_slow", "slow took longer than 0.1 s"),
+    ({}, 2, "_broken", "slow failed: KeyError"),
+])
+async def test_a_failing_call_becomes_a_result_that_says_why(arguments, timeout_s, handler,
+                                                             error):
+    spec = _spec(handler=f"{__name__}:{handler}")
+    if handler == "_broken":
+        spec["parameters"] = {"type": "object", "properties": {}}
+    (tool,) = load_tools([spec])
+    result = await tool.run(arguments, timeout_s)
+    assert not result.ok and result.content["error"].startswith(error)
+    assert result.duration_ms < 2000

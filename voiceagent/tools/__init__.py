@@ -1,0 +1,133 @@
+"""Tools the agent can call: OpenAI-style function schemas, each with a Python handler.
+
+A tool list is made of entries, each either a module path whose `TOOLS` list holds the entries
+(`voiceagent.tools.demo`, the demo set), or one mapping `{name, description, parameters,
+handler}` with `parameters` a JSON schema and `handler` an import path `package.module:function`,
+and optionally `ends_call: true` (the call hangs up once the bot has spoken its reply to it).
+A handler is `async def handler(**arguments) -> dict | str`: plain Python, no framework types, so
+a tool can be tested on its own.
+
+`Tool.run` is the one way a tool runs: arguments checked against the schema first, the handler
+bounded by a timeout, and any failure (bad arguments, a timeout, an exception) turned
+into a result that says so, for the LLM to apologise from: a tool never takes the call down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+Handler = Callable[..., Awaitable[dict | str]]
+
+
+class ToolError(ValueError):
+    """A tool entry that cannot be loaded; the message names the entry and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str
+    ok: bool
+    content: dict | str  # the handler's result, or {"error": ...} when it failed
+    duration_ms: float
+
+    @property
+    def size(self) -> int:
+        """Characters of the result as it enters the context."""
+        return len(self.content if isinstance(self.content, str) else str(self.content))
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+    handler: Handler
+    ends_call: bool = False
+
+    @property
+    def schema(self) -> dict:
+        """OpenAI's function-tool shape."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters}}
+
+    async def run(self, arguments: Any, timeout_s: float) -> ToolResult:
+        start = time.perf_counter()
+
+        def result(ok: bool, content: dict | str) -> ToolResult:
+            return ToolResult(self.name, ok, content, (time.perf_counter() - start) * 1000)
+
+        try:
+            jsonschema.validate(arguments, self.parameters)
+        except jsonschema.ValidationError as exc:
+            return result(False, {"error": f"bad arguments: {exc.message}"})
+        try:
+            async with asyncio.timeout(timeout_s):
+                return result(True, await self.handler(**arguments))
+        except TimeoutError:
+            return result(False, {"error": f"{self.name} took longer than {timeout_s:g} s"})
+        except Exception as exc:  # noqa: BLE001 - a failing tool is reported, never fatal
+            return result(False, {"error": f"{self.name} failed: {type(exc).__name__}: {exc}"})
+
+
+def load_tools(entries: list[str | dict]) -> list[Tool]:
+    """The configured tools, imported and checked; raises ToolError naming the bad entry."""
+    tools: list[Tool] = []
+    for entry in entries:
+        for spec in _expand(entry):
+            tools.append(_tool(spec))
+    names = [t.name for t in tools]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ToolError(f"tools: more than one tool named {', '.join(duplicates)}")
+    return tools
+
+
+def _expand(entry: str | dict) -> list[dict]:
+    if isinstance(entry, dict):
+        return [entry]
+    try:
+        module = importlib.import_module(entry)
+    except ImportError as exc:
+        raise ToolError(f"tools: cannot import {entry!r}: {exc}") from None
+    specs = getattr(module, "TOOLS", None)
+    if not isinstance(specs, list):
+        raise ToolError(f"tools: module {entry!r} has no TOOLS list")
+    return specs
+
+
+def _tool(spec: dict) -> Tool:
+    name = spec.get("name")
+    if not isinstance(name, str) or not name.replace("_", "").isalnum():
+        raise ToolError(f"tools: {spec!r} needs a name of letters, digits and _")
+    parameters = spec.get("parameters", {"type": "object", "properties": {}})
+    try:
+        jsonschema.Draft202012Validator.check_schema(parameters)
+    except jsonschema.SchemaError as exc:
+        raise ToolError(f"tools: {name}'s parameters are not a JSON schema: "
+                        f"{exc.message}") from None
+    if parameters.get("type") != "object":
+        raise ToolError(f"tools: {name}'s parameters must be a JSON schema of type object")
+    return Tool(name, spec.get("description", ""), parameters, _handler(name, spec.get("handler")),
+                bool(spec.get("ends_call", False)))
+
+
+def _handler(name: str, path: Any) -> Handler:
+    module_name, _, attr = str(path).partition(":")
+    if not module_name or not attr:
+        raise ToolError(f"tools: {name}'s handler must be 'package.module:function', "
+                        f"not {path!r}")
+    try:
+        handler = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ToolError(f"tools: {name}'s handler {path!r} cannot be imported: "
+                        f"{exc}") from None
+    if not asyncio.iscoroutinefunction(handler):
+        raise ToolError(f"tools: {name}'s handler {path!r} must be an async function")
+    return handler
