@@ -179,3 +179,21 @@ async def test_vllms_speculation_counters_give_its_acceptance(vllm_metrics_page)
     assert got["acceptance_rate"] == pytest.approx(49 / 68)
     assert got["mean_accepted_per_draft"] == pytest.approx(49 / 17)
     assert got["accepted_by_position"] == pytest.approx([14 / 17, 12 / 17, 12 / 17, 11 / 17])
+
+
+async def test_healthz_is_degraded_while_the_remotes_requests_fail(remote, tmp_path):
+    _app, url, _shared = remote
+    chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=4))
+    front = SharedModels(llm=None, engine=None, chat=chat)
+    cfg = server_config(tmp_path, "llm.backend=openai", f"llm.base_url={url}")
+    async with serving(cfg, front) as (_front_app, base):
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            chat.model = "gone"  # as if the server stopped serving it
+            failed = await chat.submit(HELLO, None, "call-4", None).result()
+            degraded = (await http.get("/healthz")).json()
+            chat.model = MODEL
+            await chat.submit(HELLO, None, "call-4", None).result()
+            healthy = (await http.get("/healthz")).json()
+    assert failed.finish_reason == "error" and "NotFoundError" in failed.error
+    assert degraded["status"] == "degraded" and "NotFoundError" in degraded["llm"]["last_error"]
+    assert healthy["status"] == "ready" and healthy["llm"]["last_error"] is None

@@ -135,6 +135,8 @@ class RemoteChat:
     def __init__(self, cfg: LLMConfig, model: str, name: str, sampling: SamplingConfig):
         self.cfg, self.model, self.name, self.sampling = cfg, model, name, sampling
         self.metrics_url = metrics_url(cfg)
+        # Why the last request failed; None once one succeeds again (`/healthz` shows it).
+        self.last_error: str | None = None
         self._client: openai.AsyncOpenAI | None = None  # made on the event loop that uses it
 
     @property
@@ -247,6 +249,10 @@ class RemoteHandle(DeltaStream):
         if self._cancelled_at is not None:
             stats.cancel_to_stop_ms = (time.perf_counter() - self._cancelled_at) * 1000
         self.stats = stats
+        if error is not None:
+            self._backend.last_error = error
+        elif reason != "cancelled":
+            self._backend.last_error = None
         self._queue.put_nowait(self.END)
         if not self._completion.done():
             self._completion.set_result(

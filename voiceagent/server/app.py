@@ -81,10 +81,12 @@ def create_app(
             return JSONResponse({"status": "unhealthy", "error": state.engine_down}, 503)
         if state.ready:
             store = state.store.health()
+            # A remote LLM's last request failed: calls are taken, replies may not come.
+            llm_error = getattr(state.shared.chat, "last_error", None)
             # Degraded: calls are answered, but turns wait in the journal for the store.
-            return {"status": "degraded" if store["failing"] else "ready",
+            return {"status": "degraded" if store["failing"] or llm_error else "ready",
                     "calls": len(state.calls.active), "max_calls": state.calls.max_calls,
-                    "store": store}
+                    "store": store, "llm": {"backend": cfg.llm.backend, "last_error": llm_error}}
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 503)
         return JSONResponse({"status": "loading", "step": state.loading_step}, 503)
