@@ -1,10 +1,10 @@
 """A simulated Twilio Media Streams peer: plays a phone caller against `WS /telephony/twilio`.
 
 Like Twilio it sends `connected` and `start`, then 20 ms of μ-law 8 kHz `media` every 20 ms for
-as long as the call lasts (silence between utterances), echoes each `mark` it receives, and on
-hang-up sends `stop`. Everything it receives is time-stamped on its own monotonic clock, so
-round trips (the caller stops talking -> the first bot audio arrives) are measured end to end.
-Used by the server tests and `voiceagent bench serve`.
+as long as the call lasts (silence between utterances), a `dtmf` for each key pressed, echoes
+each `mark` it receives, and on hang-up sends `stop`. Everything it receives is time-stamped on
+its own monotonic clock, so round trips (the caller stops talking -> the first bot audio
+arrives) are measured end to end. Used by the server tests and `voiceagent bench serve`.
 """
 
 from __future__ import annotations
@@ -145,6 +145,13 @@ class TwilioCaller:
                       "timestamp": str(20 * chunk_no),
                       "payload": base64.b64encode(ulaw).decode()},
         })
+
+    async def dtmf(self, digit: str) -> float:
+        """Press a key (0-9, * or #) as Twilio reports it; returns when it was sent."""
+        await self.send({"event": "dtmf", "sequenceNumber": self._next_seq(),
+                         "streamSid": self.stream_sid,
+                         "dtmf": {"track": "inbound_track", "digit": digit}})
+        return time.monotonic()
 
     async def hang_up(self) -> None:
         self.closed.set()

@@ -1,8 +1,8 @@
 """Assemble one call's pipecat pipeline from the config and the process-wide models.
 
     transport.input() -> PausingVADProcessor (Silero) -> StreamingWhisperSTTService
-      -> user aggregator -> SpeculativeLLMService -> ClausePiperTTSService -> HeldReplyGate
-      -> transport.output() -> assistant aggregator
+      -> DTMFAggregator -> user aggregator -> SpeculativeLLMService -> ClausePiperTTSService
+      -> HeldReplyGate -> transport.output() -> assistant aggregator
 
 Early preparation (turn.prepare) runs through it: the VAD reports the caller's pause, the STT
 transcribes it as an eager end of turn, the user aggregator's stop strategy (turns.py) starts a
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import pipecat.adapters.llm.services.open_ai_adapter  # noqa: F401
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.aggregators.dtmf_aggregator import DTMFAggregator
 from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.aggregators.llm_response_universal import (
     LLMContextAggregatorPair,
@@ -137,6 +138,9 @@ def build_call(
         *after_input,
         PausingVADProcessor(vad_analyzer=make_vad(cfg.vad)),
         make_stt(cfg.asr, prepare=cfg.turn.prepare),
+        # Keys pressed (Twilio `dtmf`, the page's RTVI `dtmf`) become a transcript "DTMF: 1#":
+        # a user turn like a spoken one. pipecat's defaults: sent 2 s after the last key, or at #.
+        DTMFAggregator(),
         aggregators.user(),
         llm,
         make_tts(cfg.tts),

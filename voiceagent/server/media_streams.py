@@ -2,8 +2,8 @@
 
 Protocol: https://www.twilio.com/docs/voice/media-streams/websocket-messages. Twilio sends
 `connected`, then `start` (streamSid, callSid, customParameters, mediaFormat audio/x-mulaw
-8000 Hz mono), then `media` (base64 μ-law, 20 ms each), `dtmf`, `mark` (echoing ours when its
-audio has played) and `stop`.
+8000 Hz mono), then `media` (base64 μ-law, 20 ms each), `dtmf` (a key the caller pressed: the
+serializer makes it an InputDTMFFrame), `mark` (echoing ours when its audio has played) and `stop`.
 
 pipecat's TwilioFrameSerializer turns valid messages into frames but drops or chokes on invalid
 ones silently. A bad message here closes the socket with a WebSocket close code and a reason, and
@@ -22,7 +22,7 @@ is logged; only that call ends.
 | media faster than `max_media_speed` x real time | 1008 | media faster than real time |
 | a peer that reads nothing for `send_timeout_s` | 1011 | peer not reading |
 | a streamSid other than the call's | 1002 | streamSid mismatch |
-| `mark` without a name, `dtmf` without a digit | 1007 | mark/dtmf event without ... |
+| `mark` without a name, `dtmf` without a keypad digit | 1007 | mark/dtmf event without ... |
 | `stop` | 1000 | stream stopped |
 """
 
@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loguru import logger
+from pipecat.audio.dtmf.types import KeypadEntry
 from starlette.websockets import WebSocket, WebSocketState
 
 from voiceagent.config import ServerConfig
@@ -44,6 +45,7 @@ from voiceagent.config import ServerConfig
 EVENTS = {"connected", "start", "media", "dtmf", "mark", "stop"}
 MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
 MULAW_BYTES_PER_S = 8000
+KEYPAD = frozenset(KeypadEntry)  # the digits the serializer turns into InputDTMFFrame
 
 
 class ProtocolViolation(Exception):
@@ -125,6 +127,10 @@ def check_in_call(message: dict, stream_sid: str, max_payload: int = 1 << 30) ->
         body = message.get(name)
         if event == name and not (isinstance(body, dict) and isinstance(body.get(key), str)):
             raise ProtocolViolation(1007, f"{name} event without a {key}")
+    # The serializer would drop any other digit without a word.
+    if event == "dtmf" and message["dtmf"]["digit"] not in KEYPAD:
+        raise ProtocolViolation(1007, "dtmf event without a digit: 0-9, * or # "
+                                f"(got '{message['dtmf']['digit'][:8]}')")
     return 0
 
 
