@@ -14,6 +14,36 @@ STRICT = {"extra": "forbid", "validate_assignment": True}
 
 
 @dataclass
+class GrammarSpec:
+    """What a constrained request's output must match (`llm_engine.grammar` compiles it).
+
+    kind "json_schema": the whole output is one JSON value under `json_schema`.
+    kind "tools": free text, or one call written as
+    `<tool_call>{"name": "<a tool's name>", "arguments": {...}}</tool_call>` whose arguments
+    follow that tool's parameters; `tools` are OpenAI-style function schemas,
+    `{"type": "function", "function": {"name": ..., "parameters": {...}}}` (or the inner dict).
+    tool_choice "required": no free text, the output is one call.
+    """
+
+    __pydantic_config__ = STRICT
+
+    kind: Literal["json_schema", "tools"]
+    json_schema: dict | None = None
+    tools: list[dict] = field(default_factory=list)
+    tool_choice: Literal["auto", "required"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kind == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema grammar needs json_schema")
+        if self.kind == "tools":
+            if not self.tools:
+                raise ValueError("a tools grammar needs at least one tool")
+            for tool in self.tools:
+                if not isinstance(tool.get("function", tool).get("name"), str):
+                    raise ValueError(f"a tool without a name: {tool!r}")
+
+
+@dataclass
 class SamplingConfig:
     """How tokens are chosen. Applied identically to the target (p) and the draft (q)."""
 
@@ -25,6 +55,8 @@ class SamplingConfig:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
+    # Constrained decoding: target and drafts are masked to the grammar (`llm_engine.grammar`).
+    grammar: GrammarSpec | None = None
 
 
 @dataclass
@@ -33,7 +65,9 @@ class SpeculationConfig:
 
     __pydantic_config__ = STRICT
 
-    method: str = "ngram"  # a registered proposer: `llm_engine.proposers.proposer_names()`
+    # A registered proposer (`llm_engine.proposers.proposer_names()`), or "grammar+<one>": grammar
+    # drafts where a constrained request's continuation is forced, <one> elsewhere.
+    method: str = "ngram"
     num_draft_tokens: int = 4  # K until the request has measured its acceptance
     adaptive: bool = True  # K from the measured cost model and acceptance; False: always K
     min_draft_tokens: int = 1
@@ -47,11 +81,9 @@ class SpeculationConfig:
     ngram_max: int = 3
 
     def __post_init__(self) -> None:
-        from llm_engine.proposers import proposer_names  # registers them; imports this module
+        from llm_engine.proposers import check_method  # registers them; imports this module
 
-        if self.method not in proposer_names():
-            known = ", ".join(proposer_names())
-            raise ValueError(f"unknown speculation method {self.method!r}; known: {known}")
+        check_method(self.method, "speculation method")
 
 
 @dataclass

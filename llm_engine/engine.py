@@ -23,12 +23,14 @@ from llm_engine import cost_model as costs
 from llm_engine import kv
 from llm_engine.adaptive import CostGate, DraftLength, PlainStepCost
 from llm_engine.config import EngineConfig, SamplingConfig
+from llm_engine.grammar import GrammarCache, GrammarState
 from llm_engine.proposers import (
     EMPTY_DRAFT,
     Draft,
     ProposeContext,
     Proposer,
     make_proposer,
+    model_setting,
     model_settings,
     proposer_names,
 )
@@ -38,6 +40,7 @@ from llm_engine.stats import EngineTotals, RequestStats, StepStats
 from llm_engine.verify import (
     VerifyResult,
     clip_committed,
+    mask_logits,
     verify_greedy,
     verify_gumbel,
     verify_sampling,
@@ -62,6 +65,7 @@ class RequestState:
     gate: CostGate
     stats: RequestStats
     t_start: float
+    grammar: GrammarState | None = None  # a constrained request's matcher (`llm_engine.grammar`)
     reuse_len: int = 0  # prompt tokens whose KV came from the session cache
     prefilled: bool = False
     finished: bool = False
@@ -129,6 +133,7 @@ class SpeculativeEngine:
         # instead of keeping it for a call that has ended.
         self._dropped: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+        self._grammars: GrammarCache | None = None  # built by the first constrained request
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -149,6 +154,7 @@ class SpeculativeEngine:
         if len(prompt_ids) >= self.config.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens >= max_context")
         proposer = self._new_proposer(method)
+        grammar = self._grammar_state(sampling)
         spec = self.spec
         generator = make_generator(sampling.seed, self.device)
         # Drafts without q are verified with per-position noise, so their tokens do not depend on
@@ -168,9 +174,10 @@ class SpeculativeEngine:
             # The seed itself when there is one; else the generator's fresh random seed.
             noise_seed=generator.initial_seed(),
             proposer=proposer,
+            # A combined method ("grammar+draft") costs what its model proposer costs.
             draft_length=DraftLength(
-                self.cost_model, method, spec.num_draft_tokens, spec.min_draft_tokens,
-                spec.max_draft_tokens, spec.adaptive,
+                self.cost_model, method.rpartition("+")[2], spec.num_draft_tokens,
+                spec.min_draft_tokens, spec.max_draft_tokens, spec.adaptive,
             ),
             gate=CostGate(
                 self.plain_cost,
@@ -182,6 +189,7 @@ class SpeculativeEngine:
             ),
             stats=RequestStats(method=method, prompt_tokens=len(prompt_ids)),
             t_start=time.perf_counter(),
+            grammar=grammar,
         )
 
     def step(self, state: RequestState) -> list[int]:
@@ -266,8 +274,10 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         draft = EMPTY_DRAFT
         if k > 0:
-            ctx = ProposeContext(state.token_ids, k, state.sampling, state.generator)
+            ctx = ProposeContext(state.token_ids, k, state.sampling, state.generator, state.grammar)
             draft = state.proposer.propose(ctx)
+            if state.grammar is not None:  # the masks end where the grammar refuses a draft
+                draft = draft.head(state.grammar.constrain(draft.tokens))
         t1 = time.perf_counter()
         rows = [state.token_ids[-1], *draft.tokens]
         # Where the verify curve says more rows are cheaper (CPU row blocks), pad; the padding's
@@ -291,6 +301,7 @@ class SpeculativeEngine:
             accepted=result.num_accepted,
             rejection_pos=result.rejection_pos,
             committed=0,
+            grammar_drafted=draft.forced,
             draft_ms=(t1 - t0) * 1000.0,
             verify_ms=(t2 - t1) * 1000.0,
         )
@@ -305,6 +316,17 @@ class SpeculativeEngine:
             state.proposer.observe_target(token_ids, hidden)
 
     def _verify(self, state: RequestState, draft: Draft, logits: torch.Tensor) -> VerifyResult:
+        # logits: [k + 1, vocab]
+        if state.grammar is None:
+            return self._verify_rows(state, draft, logits)
+        # Each row masked by its position's grammar state (module doc of llm_engine.grammar).
+        masks = state.grammar.masks().to(logits.device)  # [k + 1, vocab]
+        result = self._verify_rows(state, draft, mask_logits(logits, masks))
+        state.grammar.commit(result.num_accepted, result.tokens)
+        return result
+
+    def _verify_rows(self, state: RequestState, draft: Draft,
+                     logits: torch.Tensor) -> VerifyResult:
         # logits: [k + 1, vocab]
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long) if draft.tokens else _NO_TOKENS
         if is_greedy(state.sampling):
@@ -413,7 +435,17 @@ class SpeculativeEngine:
             {m: (lambda m=m: self._new_proposer(m)) for m in methods}, context, repeats, key)
 
     def _new_proposer(self, method: str) -> Proposer:
-        return make_proposer(method, self.spec, self._models().get(model_settings().get(method)))
+        return make_proposer(method, self.spec, self._models().get(model_setting(method)))
+
+    def _grammar_state(self, sampling: SamplingConfig) -> GrammarState | None:
+        if sampling.grammar is None:
+            return None
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("a grammar needs the engine's tokenizer")
+            vocab = self.target.get_output_embeddings().weight.shape[0]  # the logits' width
+            self._grammars = GrammarCache(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars.new_state(sampling.grammar, self.spec.max_draft_tokens + 1)
 
     def _models(self) -> dict[str, torch.nn.Module]:
         """The drafting models loaded, by the engine setting that names them."""

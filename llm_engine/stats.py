@@ -19,6 +19,7 @@ class StepStats:
     committed: int  # tokens this step emitted, after EOS / budget clipping
     draft_ms: float
     verify_ms: float  # target forward + verification
+    grammar_drafted: int = 0  # of `drafted`, those a constrained request's grammar forced
 
 
 @dataclass
@@ -77,6 +78,10 @@ class RequestStats:
         return sum(s.accepted for s in self.steps)
 
     @property
+    def grammar_drafted(self) -> int:
+        return sum(s.grammar_drafted for s in self.steps)
+
+    @property
     def acceptance_rate(self) -> float | None:
         drafted = self.drafted
         return self.accepted / drafted if drafted else None
@@ -107,6 +112,7 @@ class RequestStats:
         out.update(
             drafted=self.drafted,
             accepted=self.accepted,
+            grammar_drafted=self.grammar_drafted,
             acceptance_rate=self.acceptance_rate,
             mean_accepted_per_step=self.mean_accepted_per_step,
             tokens_per_s=self.tokens_per_s,

@@ -30,6 +30,10 @@ Two sampled verifications, differing only in where their randomness comes from:
   t_j given the committed prefix, and G_j decides nothing before position j is committed (rows
   past a mismatch are discarded unread), so the tokens are those plain decoding with the same seed
   produces, whatever K and the cost gate did: the gate may stay on for seeded requests.
+
+Constrained requests (`llm_engine.grammar`): each verified row's logits are masked with
+`mask_logits` before p is formed, and model drafts are sampled from q masked the same way. Both
+rules above are lossless for any p and q, so the committed tokens follow the masked target.
 """
 
 from __future__ import annotations
@@ -114,6 +118,11 @@ def verify_gumbel(
     assert draft_tokens.ndim == 1 and p.ndim == 2 and gumbel.shape == p.shape
     # log 0 = -inf keeps tokens removed by top-k / top-p out of the argmax.
     return verify_greedy(draft_tokens, torch.log(p) + gumbel)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [..., vocab] with -inf where `allowed` (bool, same shape) is False."""
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def residual_distribution(p_row: torch.Tensor, q_row: torch.Tensor) -> torch.Tensor:

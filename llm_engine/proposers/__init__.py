@@ -1,12 +1,21 @@
-"""Proposers, registered by name: `off`, `ngram`, `draft` and `eagle`."""
+"""Proposers, registered by name: `off`, `ngram`, `draft`, `eagle` and `grammar` (which
+combines with one of the others: "grammar+ngram")."""
 
-from llm_engine.proposers import draft_model, eagle, ngram, off  # noqa: F401  (imports register them)
+from llm_engine.proposers import (  # noqa: F401  (imports register them)
+    draft_model,
+    eagle,
+    grammar,
+    ngram,
+    off,
+)
 from llm_engine.proposers.base import (
     EMPTY_DRAFT,
     Draft,
     ProposeContext,
     Proposer,
+    check_method,
     make_proposer,
+    model_setting,
     model_settings,
     proposer_names,
     register,
@@ -17,7 +26,9 @@ __all__ = [
     "Draft",
     "ProposeContext",
     "Proposer",
+    "check_method",
     "make_proposer",
+    "model_setting",
     "model_settings",
     "proposer_names",
     "register",

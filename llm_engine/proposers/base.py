@@ -8,18 +8,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from llm_engine.config import SamplingConfig, SpeculationConfig
 from llm_engine.sampling import is_greedy, logits_to_probs, sample
+from llm_engine.verify import mask_logits
+
+if TYPE_CHECKING:
+    from llm_engine.grammar import GrammarState
 
 
 @dataclass
 class Draft:
     tokens: list[int]  # [k] drafted token ids, k may be shorter than asked (0: nothing to propose)
     q: torch.Tensor | None = None  # [k, vocab] draft probabilities; None for deterministic drafts
+    forced: int = 0  # leading tokens the grammar forced (`proposers.grammar`), for the stats
+
+    def head(self, n: int) -> Draft:
+        """The first n tokens (a constrained request cuts a draft where its grammar refuses)."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n], min(self.forced, n))
 
 
 EMPTY_DRAFT = Draft([])
@@ -27,28 +38,45 @@ EMPTY_DRAFT = Draft([])
 
 class DraftBuilder:
     """A model-drafted proposal, one position at a time: the argmax when greedy, else a sample
-    whose distribution (a row of q) is kept for verification."""
+    whose distribution (a row of q) is kept for verification.
 
-    def __init__(self, sampling: SamplingConfig, generator: torch.Generator):
-        self.sampling, self.generator = sampling, generator
+    Under a grammar each position's logits get the mask the target's will get, and the token is
+    pushed onto the grammar's frontier (a host sync per token, for constrained requests only).
+    """
+
+    def __init__(self, sampling: SamplingConfig, generator: torch.Generator,
+                 grammar: GrammarState | None = None):
+        self.sampling, self.generator, self.grammar = sampling, generator, grammar
         self.greedy = is_greedy(sampling)
         self._tokens: list[torch.Tensor] = []
         self._q: list[torch.Tensor] = []
+        self._allowed: int | None = None  # under a grammar: drafts it accepted, a prefix
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, vocab] -> the drafted token [1], left on the device."""
+        if self.grammar is not None:
+            logits = mask_logits(logits, self.grammar.allowed().to(logits.device))
+        token = self._choose(logits)
+        self._tokens.append(token)
+        if self.grammar is not None and self._allowed is None:
+            # Refused only after EOS (the masked choice is allowed otherwise): the draft ends.
+            if not self.grammar.push(int(token)):
+                self._allowed = len(self._tokens) - 1
+        return token
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         if self.greedy:
             token = logits.argmax(dim=-1)
         else:
             q_row = logits_to_probs(logits, self.sampling)  # [1, vocab]
             token = sample(q_row, self.generator)
             self._q.append(q_row)
-        self._tokens.append(token)
         return token
 
     def build(self) -> Draft:
         tokens = torch.cat(self._tokens).tolist()  # [k], the proposal's one host sync
-        return Draft(tokens, torch.cat(self._q) if self._q else None)  # q: [k, vocab]
+        draft = Draft(tokens, torch.cat(self._q) if self._q else None)  # q: [k, vocab]
+        return draft if self._allowed is None else draft.head(self._allowed)
 
 
 @dataclass
@@ -57,6 +85,8 @@ class ProposeContext:
     k: int  # how many tokens to draft at most
     sampling: SamplingConfig  # the same transform the target uses
     generator: torch.Generator  # the request's generator, so seeded runs reproduce
+    # A constrained request's grammar at its committed tokens: drafts must be masked by it.
+    grammar: GrammarState | None = None
 
 
 class Proposer:
@@ -72,11 +102,19 @@ class Proposer:
     # True when the proposer reads the target's last hidden states (EAGLE): the engine then calls
     # observe_target after every target forward.
     uses_target_hidden: ClassVar[bool] = False
+    # True when it combines with another proposer per step (`around`).
+    combines: ClassVar[bool] = False
 
     @classmethod
     def create(cls, spec: SpeculationConfig, model: torch.nn.Module | None = None) -> Proposer:
         """Build one for a request; `model` is the one named by `model_setting`."""
         return cls()
+
+    @classmethod
+    def around(cls, inner: Proposer) -> Proposer:
+        """Only where `combines`: one that drafts with `inner` where it has nothing itself
+        (method "<this>+<inner>")."""
+        raise NotImplementedError
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Start a request. State whose tokens are a prefix of the prompt may be kept."""
@@ -120,12 +158,28 @@ def model_settings() -> dict[str, str]:
             if cls.model_setting is not None}
 
 
+def check_method(name: str, what: str = "proposer") -> None:
+    """Refuse a method that is neither a registered name nor "<combining>+<method>"."""
+    outer, _, inner = name.partition("+")
+    if outer not in _REGISTRY:
+        known = ", ".join(proposer_names())
+        raise ValueError(f"unknown {what} {name!r}; known: {known} (or grammar+<one>)")
+    if inner:
+        if not _REGISTRY[outer].combines:
+            raise ValueError(f"{what} {outer!r} does not combine with another: {name!r}")
+        check_method(inner, what)
+
+
+def model_setting(name: str) -> str | None:
+    """The engine setting naming the model a method drafts with: a combined method's innermost."""
+    return _REGISTRY[name.rpartition("+")[2]].model_setting
+
+
 def make_proposer(
     name: str, spec: SpeculationConfig, model: torch.nn.Module | None = None
 ) -> Proposer:
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(proposer_names())
-        raise ValueError(f"unknown proposer {name!r}; known: {known}") from None
-    return cls.create(spec, model)
+    check_method(name)
+    outer, _, inner = name.partition("+")
+    if inner:
+        return _REGISTRY[outer].around(make_proposer(inner, spec, model))
+    return _REGISTRY[name].create(spec, model)

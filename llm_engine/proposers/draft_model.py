@@ -46,7 +46,7 @@ class DraftModelProposer(Proposer):
             return Draft([])
         pending = ctx.token_ids[len(self._cached) :]
         next_input = torch.tensor([pending], device=self.device)  # [1, n_pending]
-        builder = DraftBuilder(ctx.sampling, ctx.generator)
+        builder = DraftBuilder(ctx.sampling, ctx.generator, ctx.grammar)
         for i in range(ctx.k):
             logits = kv.forward(self.model, next_input, self.cache, last_only=True)  # [1, vocab]
             token = builder.choose(logits)  # [1]
