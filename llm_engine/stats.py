@@ -126,8 +126,10 @@ class RequestStats:
         """The inverse of `to_dict` (its derived keys are ignored): stats that travelled as JSON,
         e.g. from another process's OpenAI-compatible API."""
         names = {f.name for f in fields(cls)}
+        step_names = {f.name for f in fields(StepStats)}
         known = {k: v for k, v in data.items() if k in names}
-        known["steps"] = [StepStats(**s) for s in known.get("steps", [])]
+        known["steps"] = [StepStats(**{k: v for k, v in s.items() if k in step_names})
+                          for s in known.get("steps", [])]
         return cls(**known)
 
 

@@ -32,6 +32,7 @@ from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
+from voiceagent.urls import redact
 
 DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v2.yaml"
 DEFAULT_VARIANTS = "off,ngram,off+prepare,ngram+prepare"
@@ -153,10 +154,10 @@ def counted_during(before: dict | None, after: dict | None) -> str:
     are server-wide: other traffic to it during the run counts too)."""
     if before is None or after is None:
         return "no speculation counters"
-    drafts, drafted, accepted = (after[k] - before[k] for k in
+    drafts, drafted, accepted = (after.get(k, 0) - before.get(k, 0) for k in
                                  ("drafts", "draft_tokens", "accepted_tokens"))
-    if not drafted:
-        return "no drafts during the run"
+    if drafted <= 0 or drafts <= 0:  # none, or the server restarted during the run
+        return "no drafts counted during the run"
     return (f"{100 * accepted / drafted:.0f}% of {drafted:.0f} drafted tokens accepted, "
             f"{accepted / drafts:.2f} per draft (its counters, during this run)")
 
@@ -214,7 +215,7 @@ def run_call_bench(cfg: Config, args) -> int:
               f" modes {', '.join(modes)}, {args.repeats} repeat(s), target "
               f"`{cfg.engine.target}`\n")
     for name, chat in remotes.items():
-        header += f"- {name}: `{chat.model}` on {chat.cfg.base_url}; {remote_spec[name]}\n"
+        header += f"- {name}: `{chat.model}` on {redact(chat.cfg.base_url)}; {remote_spec[name]}\n"
     header += "\n"
     markdown = header + render(summary) + "\n"
     save_results(args.out, "call", stamp, markdown,

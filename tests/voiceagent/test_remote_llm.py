@@ -6,6 +6,7 @@ whole call on a remote in another process is in test_remote_call.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,7 +26,12 @@ from voiceagent.config import LLMConfig
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
-from voiceagent.pipeline.remote_llm import RemoteLLMError, connect, speculation_counters
+from voiceagent.pipeline.remote_llm import (
+    RemoteChat,
+    RemoteLLMError,
+    connect,
+    speculation_counters,
+)
 
 MODEL = "smollm2-135m-instruct"  # the id the server's /v1 serves (its config's target)
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
@@ -110,7 +116,8 @@ async def test_cancel_closes_the_stream_and_the_server_stops_generating(remote):
     handle.cancel()
     done = await handle.result()
     server = app.state.server
-    assert done.finish_reason == "cancelled" and done.stats.cancel_to_stop_ms is not None
+    assert done.finish_reason == "cancelled"
+    assert done.stats.cancel_to_stop_ms is None  # the server's stop is not seen from here
     assert await until(lambda: shared.engine.in_flight == 0, 5), "the server kept generating"
     assert all(h.done for h in server.api_handles)
     (served,) = [await h.result() for h in server.api_handles]
@@ -122,7 +129,7 @@ async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(remot
     chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=2000, temperature=0.0))
     llm = SpeculativeLLMService(chat, session_id="call-3")
     context = LLMContext(messages=HELLO)
-    frames = [LLMContextFrame(context=context), SleepFrame(sleep=1.0), InterruptionFrame(),
+    frames = [LLMContextFrame(context=context), SleepFrame(sleep=1.5), InterruptionFrame(),
               SleepFrame(sleep=0.5)]
     down, _up = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
     (stats,) = [d for f in down if isinstance(f, MetricsFrame) for d in f.data
@@ -147,6 +154,10 @@ async def test_the_dashboard_names_the_remote_and_its_unknown_speculation(remote
     # Our /v1's /metrics has no vLLM counters: unknown, not zero (per-turn stats carry ours).
     assert info["metrics_url"] == url.removesuffix("/v1") + "/metrics"
     assert info["speculation"] is None
+    # ... read, not refused: the page answered, with the key, and had no vLLM counters.
+    async with httpx.AsyncClient(timeout=30, headers={"Authorization": "Bearer s3cret"}) as http:
+        page = await http.get(info["metrics_url"])
+    assert page.status_code == 200 and "vllm:" not in page.text
     assert card.status_code == 404 and "remote" in card.json()["detail"]
     assert models["data"] == []  # no in-process engine to serve
 
@@ -197,3 +208,45 @@ async def test_healthz_is_degraded_while_the_remotes_requests_fail(remote, tmp_p
     assert failed.finish_reason == "error" and "NotFoundError" in failed.error
     assert degraded["status"] == "degraded" and "NotFoundError" in degraded["llm"]["last_error"]
     assert healthy["status"] == "ready" and healthy["llm"]["last_error"] is None
+
+
+async def test_a_request_cancelled_before_it_starts_still_ends(remote):
+    _app, url, _shared = remote
+    chat = await _connect(_llm(url))
+    handle = chat.submit(HELLO, None, "call-5", None)
+    handle.cancel()  # same loop turn as the submit: the task never ran
+    done = await asyncio.wait_for(handle.result(), 2)
+    assert done.finish_reason == "cancelled"
+
+
+@pytest.fixture
+def cut_stream():
+    """A real HTTP server whose chat stream sends text and then closes without a finish."""
+    chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]}
+    body = f"data: {json.dumps(chunk)}\n\n".encode()
+
+    class Cut(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Cut)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    server.shutdown()
+
+
+async def test_a_stream_cut_short_is_an_error_not_a_finished_reply(cut_stream):
+    chat = RemoteChat(_llm(cut_stream), "m", "cut", SamplingConfig())
+    done = await asyncio.wait_for(chat.submit(HELLO, None, "call-6", None).result(), 10)
+    assert done.text == "Hello"
+    assert done.finish_reason == "error" and "without a finish reason" in done.error
+    assert chat.last_error == done.error

@@ -40,9 +40,11 @@ from voiceagent.dashboard.stats import overview, speculation
 from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.server.auth import authorized
 from voiceagent.server.state import ServerState
+from voiceagent.urls import redact
 
 STATIC = Path(__file__).resolve().parent.parent / "server" / "static"
 KEEPALIVE_S = 15.0
+COUNTERS_MAX_AGE_S = 10.0  # a remote LLM's speculation counters, read once for every dashboard
 
 
 def _server(request: Request) -> ServerState:
@@ -138,8 +140,9 @@ async def api_backend(request: Request):
     chat = server.shared.chat
     info = {"backend": server.cfg.llm.backend, "model": chat.model, "name": chat.name}
     if isinstance(chat, RemoteChat):
-        info.update(base_url=chat.cfg.base_url, metrics_url=chat.metrics_url,
-                    speculation=await chat.speculation())
+        info.update(base_url=redact(chat.cfg.base_url),
+                    metrics_url=chat.metrics_url and redact(chat.metrics_url),
+                    speculation=await chat.speculation(max_age_s=COUNTERS_MAX_AGE_S))
     return info
 
 

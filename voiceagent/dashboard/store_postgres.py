@@ -11,39 +11,20 @@ message or a log: the URL is shown without it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 
 from voiceagent.dashboard.store import SCHEMA, SQLTurnStore
+from voiceagent.urls import redact
 
 SCHEMA_LOCK = 0x766F6963  # pg_advisory_xact_lock key of the schema's creation ("voic")
 CONNECT_TIMEOUT_S = 5  # an unreachable host is reported, not waited for
 # A host that stops answering mid-query fails the query (retried from the journal) instead of
 # holding the writer: unacknowledged data times out, and so does any one statement.
 STALL_TIMEOUT_S = 10
-
-
-def redact(url: str) -> str:
-    """The URL without its password (in the user part or as a `password` parameter; or a
-    key=value conninfo's `password`)."""
-    if "://" not in url:
-        return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", url)
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # malformed (e.g. an unclosed IPv6 bracket): hide all before the host
-        return re.sub(r"://[^@]*@", "://***@", url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        user, _, host = netloc.rpartition("@")
-        netloc = f"{user.partition(':')[0]}:***@{host}"
-    query = urlencode([(k, "***" if k == "password" else v)
-                       for k, v in parse_qsl(parts.query, keep_blank_values=True)], safe="*")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 class PostgresTurnStore(SQLTurnStore):

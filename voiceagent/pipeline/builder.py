@@ -48,6 +48,7 @@ from voiceagent.pipeline.tts import make_tts, shared_piper_voice
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.turns import shared_smart_turn_session, turn_strategies
 from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
+from voiceagent.urls import redact
 
 
 @dataclass
@@ -76,7 +77,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     engine thread; warm the per-process ASR, TTS and VAD models so the first call does not pay
     their load. A remote LLM is checked (it answers, it serves the model) instead of loaded."""
     if cfg.llm.backend == "openai":
-        progress(f"connecting to the LLM server at {cfg.llm.base_url} ...")
+        progress(f"connecting to the LLM server at {redact(cfg.llm.base_url or '')} ...")
         shared = SharedModels(llm=None, engine=None, chat=connect(cfg.llm, cfg.engine.sampling))
     else:
         engine, llm = AsyncEngine.build(

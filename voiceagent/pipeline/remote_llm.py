@@ -33,6 +33,7 @@ from llm_engine.config import SamplingConfig
 from llm_engine.serving import Completion, DeltaStream, TextDelta
 from llm_engine.stats import RequestStats
 from voiceagent.config import LLMConfig
+from voiceagent.urls import redact
 
 # Timing is the client's own; everything else a server's per-request stats say is kept.
 _CLIENT_TIMING = ("method", "ttft_ms", "itl_ms", "token_times_ms", "total_ms",
@@ -50,9 +51,10 @@ class RemoteLLMError(RuntimeError):
     """The remote server can't be used as configured; the message says why and what to set."""
 
 
-def _api_key(cfg: LLMConfig) -> str:
+def _client_args(cfg: LLMConfig) -> dict:
     # Servers started without a key accept any; the client insists on a non-empty one.
-    return os.environ.get(cfg.api_key_env) or "none"
+    return {"base_url": cfg.base_url, "api_key": os.environ.get(cfg.api_key_env) or "none",
+            "timeout": cfg.timeout_s, "max_retries": 0}
 
 
 def connect(cfg: LLMConfig, sampling: SamplingConfig) -> RemoteChat:
@@ -62,25 +64,24 @@ def connect(cfg: LLMConfig, sampling: SamplingConfig) -> RemoteChat:
     if not cfg.base_url:
         raise RemoteLLMError("llm.backend is openai but llm.base_url is not set "
                              "(e.g. --set llm.base_url=http://127.0.0.1:8000/v1)")
-    client = openai.OpenAI(base_url=cfg.base_url, api_key=_api_key(cfg), timeout=cfg.timeout_s,
-                           max_retries=0)
+    where = redact(cfg.base_url)
+    client = openai.OpenAI(**_client_args(cfg))
     try:
         served = {m.id: m for m in client.models.list()}
     except openai.AuthenticationError:
-        raise RemoteLLMError(f"{cfg.base_url} refused the API key: set it in the environment "
+        raise RemoteLLMError(f"{where} refused the API key: set it in the environment "
                              f"variable {cfg.api_key_env}") from None
     except openai.APIError as exc:
-        raise RemoteLLMError(f"the LLM server at {cfg.base_url} did not answer /models: "
-                             f"{exc}") from None
+        raise RemoteLLMError(f"the LLM server at {where} did not answer /models: "
+                             f"{type(exc).__name__}") from None
     finally:
         client.close()
     if cfg.model is None and len(served) != 1:
-        raise RemoteLLMError(f"{cfg.base_url} serves {sorted(served) or 'no models'}: "
+        raise RemoteLLMError(f"{where} serves {sorted(served) or 'no models'}: "
                              "choose one with llm.model")
     model = cfg.model or next(iter(served))
     if model not in served:
-        raise RemoteLLMError(f"{cfg.base_url} does not serve {model!r}; it serves "
-                             f"{sorted(served)}")
+        raise RemoteLLMError(f"{where} does not serve {model!r}; it serves {sorted(served)}")
     owner = getattr(served[model], "owned_by", None) or "remote"
     return RemoteChat(cfg, model, cfg.name or owner, sampling)
 
@@ -103,9 +104,11 @@ async def speculation_counters(url: str, headers: dict[str, str],
         async with httpx.AsyncClient(timeout=timeout_s) as http:
             response = await http.get(url, headers=headers)
         response.raise_for_status()
-        families = list(text_string_to_metric_families(response.text))
+        # Hundreds of kB of histograms: parsed off the event loop that carries the calls' audio.
+        families = await asyncio.to_thread(
+            lambda: list(text_string_to_metric_families(response.text)))
     except (httpx.HTTPError, ValueError) as exc:
-        logger.debug(f"no speculation counters from {url}: {exc}")
+        logger.debug(f"no speculation counters from {redact(url)}: {type(exc).__name__}")
         return None
     found: dict[str, float] = {}
     by_position: dict[int, float] = {}
@@ -137,24 +140,29 @@ class RemoteChat:
         self.metrics_url = metrics_url(cfg)
         # Why the last request failed; None once one succeeds again (`/healthz` shows it).
         self.last_error: str | None = None
+        self._counters: tuple[float, dict | None] | None = None  # (read at, counters)
         self._client: openai.AsyncOpenAI | None = None  # made on the event loop that uses it
 
     @property
     def client(self) -> openai.AsyncOpenAI:
         if self._client is None:
-            self._client = openai.AsyncOpenAI(base_url=self.cfg.base_url,
-                                              api_key=_api_key(self.cfg),
-                                              timeout=self.cfg.timeout_s, max_retries=0)
+            self._client = openai.AsyncOpenAI(**_client_args(self.cfg))
         return self._client
 
-    async def speculation(self) -> dict | None:
-        """The server's speculation counters (`speculation_counters`), or None. The API key
-        goes along only to the API's own host."""
+    async def speculation(self, max_age_s: float = 0.0) -> dict | None:
+        """The server's speculation counters (`speculation_counters`), or None; a reading at
+        most `max_age_s` old is reused (every open dashboard asks). The API key goes along only
+        to the API's own host."""
         if not self.metrics_url:
             return None
+        if self._counters and time.monotonic() - self._counters[0] <= max_age_s:
+            return self._counters[1]
         same_host = urlsplit(self.metrics_url).netloc == urlsplit(self.cfg.base_url).netloc
-        headers = {"Authorization": f"Bearer {_api_key(self.cfg)}"} if same_host else {}
-        return await speculation_counters(self.metrics_url, headers)
+        key = _client_args(self.cfg)["api_key"]
+        counters = await speculation_counters(
+            self.metrics_url, {"Authorization": f"Bearer {key}"} if same_host else {})
+        self._counters = (time.monotonic(), counters)
+        return counters
 
     def submit(self, messages: list[dict[str, str]], sampling: SamplingConfig | None,
                session_id: str, method: str | None) -> RemoteHandle:
@@ -192,14 +200,14 @@ class RemoteHandle(DeltaStream):
         self._backend = backend
         self._args = backend.request_args(messages, sampling, session_id)
         self._text: list[str] = []
-        self._cancelled_at: float | None = None
         self._t0 = time.perf_counter()
         self.stats = RequestStats(method=backend.name)
         self._task = asyncio.create_task(self._run(), name=f"remote-llm-{session_id}")
+        # A task cancelled before its first step never enters `_run`'s try: end the handle here.
+        self._task.add_done_callback(lambda _task: self._finish("cancelled", None, None, None))
 
     def cancel(self) -> None:
         if not self._task.done():
-            self._cancelled_at = self._cancelled_at or time.perf_counter()
             self._task.cancel()
 
     def _ms(self) -> float:
@@ -225,8 +233,10 @@ class RemoteHandle(DeltaStream):
                         if text:
                             self._text.append(text)
                             self._queue.put_nowait(TextDelta(text, [], time.perf_counter()))
+            if reason is None:  # cut short: a proxy's timeout, a server gone mid-reply
+                reason, error = "error", "the stream ended without a finish reason"
             # OpenAI's "stop" is the model's end or a stop string; ours says "eos" for both.
-            reason = {"stop": "eos", None: "eos"}.get(reason, reason)
+            reason = {"stop": "eos"}.get(reason, reason)
         except asyncio.CancelledError:
             reason = "cancelled"
         except Exception as exc:  # noqa: BLE001 - a failed request must end its handle, not hang it
@@ -235,19 +245,24 @@ class RemoteHandle(DeltaStream):
             self._finish(reason or "error", error, server_stats, usage)
 
     def _finish(self, reason: str, error: str | None, server_stats: dict | None, usage) -> None:
+        if self._completion.done():  # ended already (the done callback comes after `_run`)
+            return
         stats = self.stats
+        stats.prefill_ms = None  # the server's own business: unknown here, not 0
         if server_stats:  # our /v1: its speculation, with this client's timing
             timing = {name: getattr(stats, name) for name in _CLIENT_TIMING}
-            stats = RequestStats.from_dict({**server_stats, **timing})
-        else:
-            stats.prefill_ms = None  # the server's own business: unknown here, not 0
+            try:
+                stats = RequestStats.from_dict({**server_stats, **timing})
+            except (TypeError, ValueError) as exc:  # another version's stats: keep our own
+                logger.debug(f"unreadable server stats: {exc}")
         if usage is not None:
             stats.prompt_tokens = usage.prompt_tokens
+            # The server's count wins; the tokens it counted beyond ours have no time of their own.
             stats.generated_tokens = max(stats.generated_tokens, usage.completion_tokens)
         stats.finish_reason = reason
         stats.total_ms = self._ms()
-        if self._cancelled_at is not None:
-            stats.cancel_to_stop_ms = (time.perf_counter() - self._cancelled_at) * 1000
+        # When the server stopped after a cancel is not observable from here.
+        stats.cancel_to_stop_ms = None
         self.stats = stats
         if error is not None:
             self._backend.last_error = error

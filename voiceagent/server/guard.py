@@ -54,7 +54,10 @@ def allowed_hosts(cfg: ServerConfig) -> set[str] | None:
     return names
 
 
-FORWARDED = ("x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "forwarded")
+# What proxies add (nginx adds none of its own accord, so a bare `proxy_pass` passes: a
+# heuristic, not a wall).
+FORWARDED = ("x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-forwarded-port",
+             "forwarded", "x-real-ip", "via")
 
 
 class HostOriginGuard:

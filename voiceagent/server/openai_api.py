@@ -5,7 +5,8 @@ benchmark tools) can use our engine as they use vLLM. Behind the server's token 
 header). Supported: `messages` (system, user, assistant; text content), `stream` with
 `stream_options.include_usage` and `continuous_usage_stats` (vLLM's: the running usage on every
 chunk, so a client can count a speculative step's tokens), `max_tokens` /
-`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (up to 4), `n` = 1, and `user`,
+`max_completion_tokens`, `temperature`, `top_p`, `top_k` (vLLM's extension), `seed`, `stop` (up
+to 4), `n` = 1, and `user`,
 which keys the engine's prefix cache: a client's next turn reuses the KV of its last one.
 Anything else a request sets (tools, response_format, logprobs, n > 1, ...) is refused with a 400
 that names it, never silently ignored. A client that goes away
@@ -37,7 +38,7 @@ from voiceagent.server.state import ServerState
 router = APIRouter()
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 HANDLED = {"model", "messages", "stream", "stream_options", "max_tokens",
-           "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n", "user"}
+           "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "user"}
 
 
 class TextPart(BaseModel):
@@ -66,6 +67,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)  # vLLM's and SGLang's extension; 0 disables
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
@@ -169,7 +171,7 @@ def _sampling(server: ServerState, chat: ChatRequest) -> SamplingConfig:
     limit = chat.max_completion_tokens or chat.max_tokens or default.max_new_tokens
     return SamplingConfig(
         temperature=default.temperature if chat.temperature is None else chat.temperature,
-        top_k=default.top_k,
+        top_k=default.top_k if chat.top_k is None else chat.top_k,
         top_p=default.top_p if chat.top_p is None else chat.top_p,
         seed=chat.seed,
         max_new_tokens=limit,

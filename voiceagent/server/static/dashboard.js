@@ -675,7 +675,7 @@ function start() {
     }
   });
   $("calls-more").addEventListener("click", () => run(olderCalls));
-  run(() => Promise.all([refreshAll(), refreshPairCard()]));
+  run(() => Promise.all([refreshAll(), refreshPairCard(), refreshBackend()]));
   connectEvents();
   setInterval(refreshSoon, SLIDE_MS);
 }
