@@ -15,9 +15,7 @@ def models(tmp_path_factory):
     loaded.close()
 
 
-@pytest.fixture(scope="session")
-def postgres_server():
-    """A real PostgreSQL server for the session, in a temporary directory; stopped at the end."""
+def _postgres():
     bin_dir = pg_bin()
     if bin_dir is None:
         pytest.skip("PostgreSQL is not installed (no initdb): `scripts/setup.sh --dev` installs it")
@@ -27,6 +25,18 @@ def postgres_server():
         yield server
     finally:
         server.remove()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A real PostgreSQL server for the session, in a temporary directory; stopped at the end."""
+    yield from _postgres()
+
+
+@pytest.fixture
+def own_postgres_server():
+    """A server of the test's own, for a test that stops and starts it."""
+    yield from _postgres()
 
 
 @pytest.fixture

@@ -111,7 +111,9 @@ def test_report_reads_the_postgres_store_and_names_it_without_the_password(
 
 
 async def test_an_outage_loses_no_turn_and_healthz_is_degraded_until_the_server_is_back(
-        tmp_path, postgres_server, postgres_url):
+        tmp_path, own_postgres_server):
+    postgres_server = own_postgres_server
+    postgres_url = postgres_server.create_database("outage")
     shared = tiny_shared()  # a server that is ready at once: no embedded models to load
     try:
         async with serving(server_config(tmp_path, f"store.url={postgres_url}"), shared) as (
