@@ -1,7 +1,8 @@
 """A real browser call: Chromium's fake mic speaks a question to `voiceagent serve` over WebRTC.
 
 The page (voiceagent/server/static) must show the caller's words, the bot's reply and the turn's
-clocks, all of which reach it as RTVI messages on the data channel.
+clocks, all of which reach it as RTVI messages on the data channel. Its keypad sends RTVI `dtmf`
+messages, which the server makes a user turn like a phone's keys.
 """
 
 from __future__ import annotations
@@ -141,6 +142,62 @@ def test_browser_call_transcribes_answers_and_shows_clocks(server, tmp_path):
             page.click("#hangup")
             status = page.text_content("#status")
             expect(status == "ended", f"status {status!r} after hang-up")
+        finally:
+            chromium.close()
+
+
+# Test-only tap on what the page sends on its data channel: window.__tx.
+RECORD_SENT = """
+window.__tx = [];
+const send = RTCDataChannel.prototype.send;
+RTCDataChannel.prototype.send = function (data) {
+  window.__tx.push(String(data));
+  return send.call(this, data);
+};
+"""
+KEYPAD = """() => [...document.querySelectorAll("#keypad button")]
+  .map((b) => [b.dataset.key, b.getAttribute("aria-label") || "", b.disabled])"""
+KEYS_SENT = """() => window.__tx.filter((m) => m.startsWith("{")).map((m) => JSON.parse(m))
+  .filter((m) => m.type === "dtmf")"""
+SHOWS_KEYS = """() => [...document.querySelectorAll("#transcript .user:not(.interim)")]
+  .some((e) => e.textContent.trim() === "DTMF: 1#")"""
+
+
+def test_the_keypad_sends_dtmf_over_rtvi_and_the_keys_become_a_user_turn(server, tmp_path):
+    from playwright.sync_api import Error as PlaywrightError
+    from playwright.sync_api import sync_playwright
+
+    url, log = server
+    wav = tmp_path / "quiet.wav"
+    write_wav(wav, silence(LEAD_S, MIC_RATE), MIC_RATE)  # no speech: the keys are the turn
+
+    with sync_playwright() as p:
+        chromium = browser.launch(p, wav)
+        try:
+            page = chromium.new_page()
+            page.add_init_script(browser.RECORD_DATA_CHANNEL)
+            page.add_init_script(RECORD_SENT)
+            page.goto(f"{url}/")
+            keys = page.evaluate(KEYPAD)
+            assert [k for k, _, _ in keys] == list("123456789*0#"), keys
+            assert all(label.startswith("key ") for _, label, _ in keys), keys
+            assert all(disabled for _, _, disabled in keys), "keys enabled before a call"
+
+            page.click("#call")
+            page.wait_for_function(f"() => !({KEYPAD})()[0][2]", timeout=CALL_TIMEOUT_MS)
+            page.click('#keypad button[data-key="1"]')
+            page.keyboard.press("#")  # the keyboard's keys too; # sends the digits at once
+            sent = page.evaluate(KEYS_SENT)
+            assert [(m["label"], m["data"]) for m in sent] == [
+                ("rtvi-ai", {"buttons": ["1"]}), ("rtvi-ai", {"buttons": ["#"]})], sent
+            try:  # the server's transcript of the keys comes back as the caller's line
+                page.wait_for_function(SHOWS_KEYS, timeout=CALL_TIMEOUT_MS)
+            except PlaywrightError:
+                pytest.fail(f"the keys never came back as a user turn\n{_page_state(page)}"
+                            f"\nserver log:\n{log_tail(log)}")
+
+            page.click("#hangup")
+            assert all(disabled for _, _, disabled in page.evaluate(KEYPAD)), "keys after hang-up"
         finally:
             chromium.close()
 

@@ -15,9 +15,11 @@ const ui = {
   transcript: $("transcript"),
   clocks: document.querySelector("#clocks tbody"),
   audio: $("bot-audio"),
+  keys: document.querySelectorAll("#keypad button"),
 };
+const KEYS = "0123456789*#"; // the DTMF keypad
 
-let call = null; // {pc, mic, ping} while a call is up
+let call = null; // {pc, mic, ping, channel} while a call is up; channel once it is open
 let attempt = 0; // bumped by every call and hang-up, so a stale setup step stops
 
 function setStatus(text, isError = false) {
@@ -191,18 +193,51 @@ function onMessage(event) {
   if (handle) handle(msg.data || {});
 }
 
-function onChannelOpen(c, channel) {
-  if (call !== c) return; // hung up before it opened
+function sendRTVI(channel, type, data) {
   channel.send(JSON.stringify({
     label: "rtvi-ai",
-    type: "client-ready",
+    type,
     id: crypto.randomUUID ? crypto.randomUUID() : String(Math.random()).slice(2),
-    data: { version: "1.0.0", about: { library: "voiceagent-page" } },
+    data,
   }));
+}
+
+function onChannelOpen(c, channel) {
+  if (call !== c) return; // hung up before it opened
+  sendRTVI(channel, "client-ready", { version: "1.0.0", about: { library: "voiceagent-page" } });
   c.ping = setInterval(() => {
     if (channel.readyState === "open") channel.send("ping");
   }, PING_MS);
+  c.channel = channel;
+  setKeypad(true);
 }
+
+// ---- keypad -----------------------------------------------------------------------------------
+
+function setKeypad(enabled) {
+  ui.keys.forEach((b) => {
+    b.disabled = !enabled;
+  });
+}
+
+// pipecat's RTVI `dtmf` message: the server makes each key an InputDTMFFrame, as a phone's.
+function pressKey(key) {
+  const channel = call && call.channel;
+  if (!channel || channel.readyState !== "open") return;
+  sendRTVI(channel, "dtmf", { buttons: [key] });
+  const button = document.querySelector(`#keypad button[data-key="${key}"]`);
+  button.classList.add("pressed");
+  setTimeout(() => button.classList.remove("pressed"), 150);
+}
+
+ui.keys.forEach((b) => b.addEventListener("click", () => pressKey(b.dataset.key)));
+document.addEventListener("keydown", (e) => {
+  if (e.ctrlKey || e.metaKey || e.altKey || e.key.length !== 1 || !KEYS.includes(e.key)) return;
+  if (e.target.closest("input, textarea, select, [contenteditable]")) return; // typing there
+  if (!call || !call.channel) return;
+  e.preventDefault();
+  pressKey(e.key);
+});
 
 // ---- call setup -------------------------------------------------------------------------------
 
@@ -257,7 +292,7 @@ async function startCall() {
       return;
     }
     const pc = new RTCPeerConnection();
-    const c = { pc, mic, ping: null };
+    const c = { pc, mic, ping: null, channel: null };
     call = c;
 
     // Transceiver 0 must be the audio: pipecat reads the caller's audio from index 0.
@@ -302,6 +337,7 @@ function hangup(status = "ended", isError = false) {
     call.pc.close();
     call = null;
   }
+  setKeypad(false);
   endReply();
   lastReply = null;
   botSpeaking = false;
