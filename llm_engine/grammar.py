@@ -150,6 +150,8 @@ class GrammarState:
     def _fill(self) -> None:
         if self._filled > len(self._frontier):
             return
+        if self._filled == len(self._bitmask):  # a frontier longer than max_rows: grow
+            self._bitmask = torch.cat([self._bitmask, torch.empty_like(self._bitmask)])
         if self.matcher.is_terminated():
             # After EOS: whatever is drawn there is cut by the engine; an all-false row would
             # make the target's row all -inf (NaN probabilities).

@@ -8,6 +8,7 @@ from llm_engine.sampling import gumbel_noise
 from llm_engine.verify import (
     VerifyResult,
     clip_committed,
+    mask_logits,
     residual_distribution,
     verify_greedy,
     verify_gumbel,
@@ -171,8 +172,11 @@ Q = torch.tensor(
 )  # [LENGTH, VOCAB_S]
 
 
-def sample_sequences(sampler, seed: int = 0) -> torch.Tensor:
-    """Counts [VOCAB_S ** LENGTH] of sequences made by draft-then-verify steps with `sampler`."""
+def sample_sequences(sampler, seed: int = 0, p_all: torch.Tensor = P, q_all: torch.Tensor = Q,
+                     drafts_from: torch.Tensor | None = None) -> torch.Tensor:
+    """Counts [VOCAB_S ** LENGTH] of sequences made by draft-then-verify steps with `sampler`;
+    drafts are drawn from `drafts_from` (default: the q the sampler is given)."""
+    drafts_from = q_all if drafts_from is None else drafts_from
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(VOCAB_S**LENGTH)
     for _ in range(SAMPLES):
@@ -180,13 +184,13 @@ def sample_sequences(sampler, seed: int = 0) -> torch.Tensor:
         while len(out) < LENGTH:
             pos = len(out)
             k = LENGTH - 1 - pos  # draft every remaining position; the bonus covers the last
-            q = Q[pos : pos + k]  # [k, VOCAB_S]
+            q = q_all[pos : pos + k]  # [k, VOCAB_S]
             draft = (
-                torch.multinomial(q, 1, generator=gen).squeeze(-1)
+                torch.multinomial(drafts_from[pos : pos + k], 1, generator=gen).squeeze(-1)
                 if k
                 else torch.empty(0, dtype=torch.long)
             )
-            out += sampler(draft, q, P[pos : pos + k + 1], gen).tokens
+            out += sampler(draft, q, p_all[pos : pos + k + 1], gen).tokens
         index = 0
         for token in out[:LENGTH]:
             index = index * VOCAB_S + token
@@ -194,15 +198,15 @@ def sample_sequences(sampler, seed: int = 0) -> torch.Tensor:
     return counts
 
 
-def target_joint() -> torch.Tensor:
-    joint = P[0]
+def target_joint(p: torch.Tensor = P) -> torch.Tensor:
+    joint = p[0]
     for j in range(1, LENGTH):
-        joint = torch.outer(joint, P[j]).flatten()
+        joint = torch.outer(joint, p[j]).flatten()
     return joint  # [VOCAB_S ** LENGTH]
 
 
-def total_variation(counts: torch.Tensor) -> float:
-    return 0.5 * (counts / counts.sum() - target_joint()).abs().sum().item()
+def total_variation(counts: torch.Tensor, p: torch.Tensor = P) -> float:
+    return 0.5 * (counts / counts.sum() - target_joint(p)).abs().sum().item()
 
 
 def accept_always(draft, q, p, gen):
@@ -265,7 +269,7 @@ def no_noise(seed: int, first: int, rows: int) -> torch.Tensor:
     return torch.zeros(rows, VOCAB_S)
 
 
-def sample_sequences_gumbel(noise, seed: int = 0) -> torch.Tensor:
+def sample_sequences_gumbel(noise, seed: int = 0, p_all: torch.Tensor = P) -> torch.Tensor:
     """Counts [VOCAB_S ** LENGTH] of sequences made by one-hot draft-then-verify steps."""
     gen = torch.Generator().manual_seed(seed)  # drafts and K only; never the target's randomness
     counts = torch.zeros(VOCAB_S**LENGTH)
@@ -276,7 +280,7 @@ def sample_sequences_gumbel(noise, seed: int = 0) -> torch.Tensor:
             pos = len(out)
             k = int(torch.randint(0, LENGTH - pos, (1,), generator=gen))  # 0: a plain step
             draft = torch.randint(0, VOCAB_S, (k,), generator=gen)  # [k], one-hot drafts
-            p = P[pos : pos + k + 1]  # [k + 1, VOCAB_S]
+            p = p_all[pos : pos + k + 1]  # [k + 1, VOCAB_S]
             out += verify_gumbel(draft, p, noise(request_seed, pos, k + 1)).tokens
         index = 0
         for token in out[:LENGTH]:
@@ -293,3 +297,44 @@ def test_distribution_check_rejects_wrong_gumbel_noise():
     for wrong in (noise_shared_by_positions, noise_per_step_row, no_noise):
         tv = total_variation(sample_sequences_gumbel(wrong, seed=1))
         assert tv > TV_BOUND, f"{wrong.__name__} passed the check (tv={tv:.3f})"
+
+
+# -- a masked target: constrained decoding (llm_engine.grammar) ------------------------------------
+#
+# The engine masks each verified row's logits with the grammar's allowed tokens before forming p,
+# and model drafts are sampled from q masked the same way; one-hot drafts may fall outside the mask.
+
+MASK = torch.tensor(
+    [[True, True, False, True], [False, True, True, False], [True, False, True, True]]
+)  # [LENGTH, VOCAB_S]
+
+
+def masked(probs: torch.Tensor) -> torch.Tensor:
+    """probs [LENGTH, VOCAB_S] masked as the engine masks logits, renormalised."""
+    return torch.softmax(mask_logits(probs.log(), MASK), dim=-1)
+
+
+def test_speculative_sampling_follows_the_masked_target_distribution():
+    p_masked, q_masked = masked(P), masked(Q)
+    counts = sample_sequences(verify_sampling, p_all=p_masked, q_all=q_masked)
+    assert total_variation(counts, p_masked) < TV_BOUND
+    assert counts[target_joint(p_masked) == 0].sum() == 0  # never a token outside the mask
+
+
+def test_gumbel_verification_follows_the_masked_target_distribution():
+    p_masked = masked(P)
+    counts = sample_sequences_gumbel(noise_per_position, p_all=p_masked)  # drafts ignore the mask
+    assert total_variation(counts, p_masked) < TV_BOUND
+    assert counts[target_joint(p_masked) == 0].sum() == 0
+
+
+def test_distribution_check_rejects_a_mask_missing_on_either_side():
+    p_masked, q_masked = masked(P), masked(Q)
+    unmasked_target = sample_sequences(verify_sampling, seed=1, q_all=q_masked)
+    # q masked for verification but the drafts drawn from the unmasked q.
+    unmasked_drafts = sample_sequences(verify_sampling, seed=1, p_all=p_masked, q_all=q_masked,
+                                       drafts_from=Q)
+    for name, counts in (("unmasked target", unmasked_target),
+                         ("unmasked drafts", unmasked_drafts)):
+        tv = total_variation(counts, p_masked)
+        assert tv > TV_BOUND, f"{name} passed the check (tv={tv:.3f})"
