@@ -69,7 +69,7 @@ async def test_a_dtmf_digit_reaches_the_context_and_the_bot_answers(tmp_path, mo
     real, built = twilio.build_call, []
     monkeypatch.setattr(twilio, "build_call",  # keeps the call's pipeline, to read its context
                         lambda *a, **k: built.append(real(*a, **k)) or built[-1])
-    async with serving(server_config(tmp_path), models) as (_app, base):
+    async with serving(server_config(tmp_path), models) as (app, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start()
             await asyncio.sleep(0.5)  # the pipeline is up
@@ -77,6 +77,12 @@ async def test_a_dtmf_digit_reaches_the_context_and_the_bot_answers(tmp_path, mo
             answered = await caller.reply(pressed, REPLY_TIMEOUT_S)
             await caller.hang_up()
         assert caller.received.close_code in (None, 1000), caller.received.close_reason
+        store = app.state.server.store
+        assert await asyncio.to_thread(store.flush)
+        (turn,) = await asyncio.to_thread(store.turns)
+    # The key press is a turn of its own on the dashboard, timed from the keys' sending.
+    assert turn["user_text"] == "DTMF: 1"
+    assert turn["clocks"]["turn_end_to_first_audio_ms"] > 0
     [call] = built
     messages = call.context.get_messages()
     users = [m["content"] for m in messages if m.get("role") == "user"]

@@ -25,6 +25,7 @@ from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     BotStoppedSpeakingFrame,
     EagerEndOfTurnCancelFrame,
+    InputDTMFFrame,
     InterruptionFrame,
     LLMContextFrame,
     LLMFullResponseStartFrame,
@@ -63,6 +64,7 @@ class _Turn:
     started_ns: int
     started_wall: float
     user_text: list[str] = field(default_factory=list)
+    keys: bool = False  # opened by a key press (DTMF), not by speech
     vad_stop_ns: int | None = None
     hangover_s: float = 0.0
     transcript_ns: int | None = None
@@ -164,9 +166,15 @@ class ClocksObserver(BaseObserver):
             if self._listening is None:
                 return
             self._listening.vad_stop_ns, self._listening.hangover_s = ts, frame.stop_secs
+        elif isinstance(frame, InputDTMFFrame) and self._listening is None:
+            # Keys alone make a turn too: pipecat's DTMFAggregator sends them as its transcript.
+            self._listening = _Turn(started_ns=ts, started_wall=time.time(), keys=True)
         elif isinstance(frame, TranscriptionFrame) and self._listening:
             self._listening.user_text.append(frame.text.strip())
             self._listening.transcript_ns = ts
+            if self._listening.keys and self._listening.vad_stop_ns is None:
+                # No speech to end: the turn ends when the keys are sent.
+                self._listening.vad_stop_ns, self._listening.hangover_s = ts, 0.0
         elif isinstance(frame, MetricsFrame):
             self._metrics(frame)
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
