@@ -40,7 +40,8 @@ def test_the_engine_measures_every_proposer_it_can_build(target, tokenizer, draf
                      sampling=SamplingConfig(max_new_tokens=8)),
         draft_model=draft)
     assert engine.cost_model.max_rows == 6
-    assert set(engine.cost_model.draft) == {"ngram", "draft"}  # no EAGLE head loaded
+    # No EAGLE head loaded; the grammar proposer needs no model.
+    assert set(engine.cost_model.draft) == {"ngram", "draft", "grammar"}
     assert engine.plain_cost.ms == engine.cost_model.plain_ms
 
 
