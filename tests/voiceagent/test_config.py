@@ -35,7 +35,8 @@ def test_wrong_type_is_refused():
 
 
 def test_bad_choice_lists_the_valid_choices():
-    with pytest.raises(ConfigError, match="method 'medusa'; known: draft, eagle, ngram, off"):
+    known = r"known: draft, eagle, grammar, ngram, off \(or grammar\+<one>\)"
+    with pytest.raises(ConfigError, match=f"method 'medusa'; {known}"):
         load_config(None, ["engine.speculation.method=medusa"])
 
 

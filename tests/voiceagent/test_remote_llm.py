@@ -9,6 +9,8 @@ import asyncio
 import json
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -42,7 +44,7 @@ KEY_ENV = "VOICEAGENT_TEST_REMOTE_KEY"
 async def remote(tmp_path, monkeypatch):
     """(app, /v1 URL, shared models) of a real server that needs the key in KEY_ENV."""
     monkeypatch.setenv(KEY_ENV, "s3cret")
-    shared = tiny_shared(method="ngram")
+    shared = tiny_shared(method="ngram", eos=False)  # replies last until cancelled
     async with serving(server_config(tmp_path, "server.token=s3cret"), shared) as (app, base):
         yield app, f"{base}/v1", shared
     shared.close()
@@ -162,26 +164,40 @@ async def test_the_dashboard_names_the_remote_and_its_unknown_speculation(remote
     assert models["data"] == []  # no in-process engine to serve
 
 
-@pytest.fixture
-def vllm_metrics_page():
-    """vLLM's own /metrics text (captured from its CPU build with ngram speculation on), served
-    over real HTTP on a loopback port."""
-    body = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_bytes()
+@contextmanager
+def _fixed_page(body: bytes, content_type: str) -> Iterator[str]:
+    """A real HTTP server on a loopback port answering every GET or POST with `body`; yields
+    its root URL."""
 
     class Page(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
             self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.do_GET()
 
         def log_message(self, *args):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture
+def vllm_metrics_page():
+    """vLLM's own /metrics text (captured from its CPU build with ngram speculation on)."""
+    body = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_bytes()
+    with _fixed_page(body, "text/plain; version=0.0.4") as root:
+        yield f"{root}/metrics"
 
 
 async def test_vllms_speculation_counters_give_its_acceptance(vllm_metrics_page):
@@ -221,27 +237,12 @@ async def test_a_request_cancelled_before_it_starts_still_ends(remote):
 
 @pytest.fixture
 def cut_stream():
-    """A real HTTP server whose chat stream sends text and then closes without a finish."""
+    """A server whose chat stream sends text and then closes without a finish reason."""
     chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
              "choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]}
     body = f"data: {json.dumps(chunk)}\n\n".encode()
-
-    class Cut(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Cut)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1"
-    server.shutdown()
+    with _fixed_page(body, "text/event-stream") as root:
+        yield f"{root}/v1"
 
 
 async def test_a_stream_cut_short_is_an_error_not_a_finished_reply(cut_stream):

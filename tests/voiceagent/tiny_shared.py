@@ -14,14 +14,16 @@ from voiceagent.llm_setup import LLMRuntime
 from voiceagent.pipeline.builder import SharedModels
 
 
-def tiny_shared(break_on: threading.Event | None = None, method: str = "off") -> SharedModels:
-    """With `break_on`: the engine's forward raises SystemExit once it is set."""
+def tiny_shared(break_on: threading.Event | None = None, method: str = "off",
+                eos: bool = True) -> SharedModels:
+    """With `break_on`: the engine's forward raises SystemExit once it is set. `eos=False`: a
+    reply runs to its budget (a random model may end one at any token)."""
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer))
     config = EngineConfig(speculation=SpeculationConfig(method=method, gate=False))
     target = LoadedModel("tiny", "/models/tiny", None, None, None, model, tokenizer, "cpu",
                          "float32", sum(p.numel() * 4 for p in model.parameters()), 0.0, False)
-    engine = SpeculativeEngine(model, tokenizer, config)
+    engine = SpeculativeEngine(model, tokenizer, config, eos_token_ids=None if eos else set())
     if break_on is not None:
         # SystemExit (a library calling sys.exit() mid-forward) is what no `except Exception`
         # catches.
