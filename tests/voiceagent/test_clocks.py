@@ -104,6 +104,23 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
     assert r.engine["interrupted"]
 
 
+async def test_a_barge_in_decided_after_its_speech_ended_is_timed_from_that_speech():
+    """With `turn.min_interrupt_s` the interruption may come after the VAD stop of the speech
+    that earned it; a backchannel before it does not start the clock."""
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await answered_turn(obs)
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 2100)  # "mm-hmm" from 2000
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 2800)
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 4100)  # "stop" from 4000
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 5000)
+    await push(obs, InterruptionFrame(), 5100)
+    await push(obs, BotStoppedSpeakingFrame(), 5150, src=OUT)
+    await push(obs, engine_metrics(interrupted=True), 5160)
+    [r] = records
+    assert r.interrupted and r.barge_in_to_silence_ms == 1150
+
+
 async def test_an_interruption_after_the_reply_ended_is_not_a_barge_in():
     records = []
     obs = ClocksObserver("call-1", records.append)

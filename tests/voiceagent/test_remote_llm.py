@@ -9,8 +9,9 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -43,11 +44,29 @@ KEY_ENV = "VOICEAGENT_TEST_REMOTE_KEY"
 @pytest.fixture
 async def remote(tmp_path, monkeypatch):
     """(app, /v1 URL, shared models) of a real server that needs the key in KEY_ENV."""
+    async with _remote(tmp_path, monkeypatch, tiny_shared(method="ngram")) as served:
+        yield served
+
+
+@pytest.fixture
+async def slow_remote(tmp_path, monkeypatch):
+    """The same, speculation off and 20 ms a forward, replies never ending by themselves: a
+    2000-token reply lasts 40 s, so a barge-in always finds it mid-stream."""
+    shared = tiny_shared(eos=False)
+    shared.llm.target.model.get_decoder().register_forward_pre_hook(
+        lambda _module, _args: time.sleep(0.02))
+    async with _remote(tmp_path, monkeypatch, shared) as served:
+        yield served
+
+
+@asynccontextmanager
+async def _remote(tmp_path, monkeypatch, shared):
     monkeypatch.setenv(KEY_ENV, "s3cret")
-    shared = tiny_shared(method="ngram", eos=False)  # replies last until cancelled
-    async with serving(server_config(tmp_path, "server.token=s3cret"), shared) as (app, base):
-        yield app, f"{base}/v1", shared
-    shared.close()
+    try:
+        async with serving(server_config(tmp_path, "server.token=s3cret"), shared) as (app, base):
+            yield app, f"{base}/v1", shared
+    finally:
+        shared.close()
 
 
 def _llm(base_url: str | None, **settings) -> LLMConfig:
@@ -109,8 +128,8 @@ async def test_a_reply_is_the_engines_with_client_timing_and_the_servers_specula
     assert stats.drafted == direct.stats.drafted
 
 
-async def test_cancel_closes_the_stream_and_the_server_stops_generating(remote):
-    app, url, shared = remote
+async def test_cancel_closes_the_stream_and_the_server_stops_generating(slow_remote):
+    app, url, shared = slow_remote
     chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=2000, temperature=0.0))
     handle = chat.submit(HELLO, None, "call-2", None)
     async for _delta in handle:
@@ -126,8 +145,8 @@ async def test_cancel_closes_the_stream_and_the_server_stops_generating(remote):
     assert served.finish_reason == "cancelled" and len(served.token_ids) < 2000
 
 
-async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(remote):
-    app, url, shared = remote
+async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(slow_remote):
+    _app, url, shared = slow_remote
     chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=2000, temperature=0.0))
     llm = SpeculativeLLMService(chat, session_id="call-3")
     context = LLMContext(messages=HELLO)

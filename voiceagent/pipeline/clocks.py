@@ -153,16 +153,14 @@ class ClocksObserver(BaseObserver):
         if isinstance(frame, VADUserStartedSpeakingFrame):
             self._user_speaking = True
             reply = self._answering
-            if reply is not None and not reply.complete and reply.barge_in_ns is None:
-                # The caller started speaking start_secs before the VAD could confirm it.
+            if reply is not None and not reply.complete and reply.interrupted_ns is None:
+                # The latest speech over the reply (a backchannel before it did not take the
+                # turn); the caller started start_secs before the VAD could confirm it.
                 reply.barge_in_ns = ts - int(frame.start_secs * 1e9)
             if self._listening is None:
                 self._listening = _Turn(started_ns=ts, started_wall=time.time())
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
             self._user_speaking = False
-            reply = self._answering
-            if reply is not None and reply.interrupted_ns is None:
-                reply.barge_in_ns = None  # a backchannel: it did not take the turn
             if self._listening is None:
                 return
             self._listening.vad_stop_ns, self._listening.hangover_s = ts, frame.stop_secs
