@@ -66,6 +66,40 @@ def parse_tool_call(text: str) -> dict | None:
     return call if isinstance(call, dict) else None
 
 
+class ToolCallSplitter:
+    """A 'tools' request's streamed text split into what may be spoken and the tool call: text
+    that could be the start of `<tool_call>` is held back until it is known not to be."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self.call_text: str | None = None  # from `<tool_call>` on, once it appeared
+
+    def feed(self, text: str) -> str:
+        """The part of `text` (with what was held) that is plain text for sure."""
+        if self.call_text is not None:
+            self.call_text += text
+            return ""
+        text, self._held = self._held + text, ""
+        at = text.find(TOOL_CALL_BEGIN)
+        if at >= 0:
+            self.call_text = text[at:]
+            return text[:at]
+        for size in range(min(len(TOOL_CALL_BEGIN) - 1, len(text)), 0, -1):
+            if TOOL_CALL_BEGIN.startswith(text[-size:]):
+                text, self._held = text[:-size], text[-size:]
+                break
+        return text
+
+    def flush(self) -> str:
+        """At the end: held text that never became a call."""
+        held, self._held = self._held, ""
+        return held
+
+    @property
+    def call(self) -> dict | None:
+        return parse_tool_call(self.call_text) if self.call_text else None
+
+
 def _canonical_json(schema: dict) -> str:
     # The schema as an EBNF grammar in the canonical layout (see the module doc).
     return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))

@@ -30,12 +30,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llm_engine.config import SamplingConfig
 from llm_engine.detok import IncrementalDetokenizer, StopMatcher
 from llm_engine.engine import RequestState, SpeculativeEngine
+from llm_engine.grammar import ToolCallSplitter
 from llm_engine.stats import RequestStats
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class Completion:
     finish_reason: str  # 'eos' | 'length' | 'stop' | 'cancelled' | 'error'
     stats: RequestStats
     error: str | None = None
+    # A 'tools' request's call ({"name", "arguments"}), parsed out of `text`, which then holds
+    # only what came before it (`llm_engine.grammar.ToolCallSplitter`).
+    tool_calls: list[dict] = field(default_factory=list)
 
 
 _DONE = object()
@@ -118,6 +122,9 @@ class RequestHandle(DeltaStream):
         self._stops = StopMatcher(state.sampling.stop)
         self._text: list[str] = []
         self.stopped_by_string = False
+        grammar = state.sampling.grammar
+        tools = grammar is not None and grammar.kind == "tools"
+        self._calls = ToolCallSplitter() if tools else None
 
     def cancel(self) -> None:
         """Stop at the next step boundary. Safe from any thread, idempotent."""
@@ -134,14 +141,20 @@ class RequestHandle(DeltaStream):
         elif self.state.finished:
             tail, _ = self._stops.feed(self._detok.flush())
             text += tail + self._stops.flush()
+        if self._calls is not None:
+            text = self._calls.feed(text)
+            if stopped or self.state.finished:
+                text += self._calls.flush()
         if text or tokens:
             self._text.append(text)
             self._post(TextDelta(text, tokens, t))
         return stopped
 
     def _finish(self, reason: str, error: str | None = None) -> None:
+        call = self._calls.call if self._calls is not None else None
         completion = Completion(
-            "".join(self._text), list(self.state.output_ids), reason, self.state.stats, error
+            "".join(self._text), list(self.state.output_ids), reason, self.state.stats, error,
+            [call] if call is not None else [],
         )
         self._post(_DONE)
         self._post_result(completion)

@@ -95,6 +95,11 @@ class AgentConfig(BaseModel):
         "You are a friendly, concise voice assistant on a phone call. "
         "Answer in one or two short sentences."
     )
+    # Tool entries (voiceagent.tools: a module path with a TOOLS list, or one mapping).
+    tools: list[str | dict[str, Any]] = []
+    tool_timeout_s: float = Field(5.0, gt=0)  # longer, and the tool's result is an error
+    tool_filler_after_s: float = Field(1.0, ge=0)  # a tool still running then: say the filler
+    tool_filler: str = "One moment, please."
 
 
 class StoreConfig(BaseModel):

@@ -2,6 +2,7 @@ import uuid
 
 import pytest
 
+from tests.llm_engine.tiny_models import make_model, make_tokenizer
 from tests.voiceagent.postgres import PostgresServer, pg_bin
 from tests.voiceagent.serving import server_config
 from voiceagent.pipeline.builder import load_shared
@@ -13,6 +14,17 @@ def models(tmp_path_factory):
     loaded = load_shared(server_config(tmp_path_factory.mktemp("m")), progress=lambda _: None)
     yield loaded
     loaded.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A tiny tokenizer and random-weight model for the LLM service's tests."""
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return make_model(len(tokenizer))
 
 
 def _postgres():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from pipecat.frames.frames import (
@@ -24,10 +23,8 @@ from pipecat.processors.aggregators.llm_response_universal import LLMAssistantAg
 from pipecat.tests.utils import SleepFrame, run_test
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
-from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
-from llm_engine.serving import AsyncEngine
-from tests.llm_engine.tiny_models import make_model, make_tokenizer
+from tests.voiceagent.scripted_engine import RecordingAsyncEngine, ScriptedEngine
 from voiceagent.pipeline.chat_backend import EngineChat
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.llm_service import SpeculativeLLMService, chat_messages
@@ -37,66 +34,7 @@ SESSION = "call-1"
 # Long enough that a held request can't run out of tokens before it is held (at most 1 + 3 * 9
 # with K <= 8), short enough that the requests which run to the end keep the tests quick.
 MAX_NEW = 64
-HOLD_AFTER_STEPS = 3
 BEFORE_INTERRUPTION_S = 1.0  # prefill and a few steps, with room for a loaded 2-core CPU
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return make_model(len(tokenizer))
-
-
-class ScriptedEngine(SpeculativeEngine):
-    """The real engine, with scripted trouble for the first request only.
-
-    `hold_first`: after a few decode steps the first request waits, between two steps, until it
-    is cancelled: a reply that is certainly still streaming when the interruption arrives,
-    however fast or loaded the CPU is. `fail_first`: its first step (the prefill) raises.
-    """
-
-    def __init__(self, *args, hold_first: bool = False, fail_first: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.hold_first = hold_first
-        self.fail_first = fail_first
-        self.first = None
-        self.dropped_sessions: list[str] = []
-
-    def start(self, *args, **kwargs):
-        state = super().start(*args, **kwargs)
-        if self.first is None:
-            self.first = state
-        return state
-
-    def step(self, state):
-        if state is self.first and self.fail_first:
-            raise RuntimeError("scripted failure")
-        if state is self.first and self.hold_first and len(state.stats.steps) >= HOLD_AFTER_STEPS:
-            deadline = time.monotonic() + 30  # a service that never cancels fails, not hangs
-            while not state.cancelled and time.monotonic() < deadline:
-                time.sleep(0.002)
-        return super().step(state)
-
-    def drop_session(self, session_id):
-        self.dropped_sessions.append(session_id)
-        super().drop_session(session_id)
-
-
-class RecordingAsyncEngine(AsyncEngine):
-    """Keeps every handle, so a test can ask the engine how each request ended."""
-
-    def __init__(self, engine):
-        super().__init__(engine)
-        self.handles = []
-
-    def submit(self, *args, **kwargs):
-        handle = super().submit(*args, **kwargs)
-        self.handles.append(handle)
-        return handle
 
 
 @pytest.fixture
@@ -366,7 +304,9 @@ async def test_cancel_frame_cancels_the_engine_request(make_serving, tokenizer):
     assert serving.engine.dropped_sessions == [SESSION]
 
 
-def test_chat_messages_flattens_parts_and_skips_tool_traffic():
+def test_chat_messages_flattens_parts_and_keeps_tool_traffic():
+    call = {"id": "1", "type": "function",
+            "function": {"name": "lookup_order", "arguments": '{"order_id": "48213"}'}}
     context = LLMContext(
         messages=[
             {"role": "developer", "content": "Speak plainly."},
@@ -377,7 +317,7 @@ def test_chat_messages_flattens_parts_and_skips_tool_traffic():
                     {"type": "text", "text": "my order?"},
                 ],
             },
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            {"role": "assistant", "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "1", "content": '{"status": "shipped"}'},
             LLMSpecificMessage(llm="other", message={"anything": True}),
             {"role": "assistant", "content": "It has shipped."},
@@ -387,6 +327,8 @@ def test_chat_messages_flattens_parts_and_skips_tool_traffic():
     assert chat_messages(context, system_prompt="Be brief.") == [
         {"role": "system", "content": "Speak plainly."},
         {"role": "user", "content": "Where is my order?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": '{"status": "shipped"}'},
         {"role": "assistant", "content": "It has shipped."},
     ]
 

@@ -34,12 +34,14 @@ def test_the_demo_set_loads_with_openai_schemas_and_end_call_ends_the_call():
     assert tools["end_call"].ends_call and not tools["lookup_order"].ends_call
 
 
-async def test_an_order_is_found_from_spoken_digits():
+async def test_an_order_is_found_by_its_five_digits_and_other_forms_are_refused():
     (lookup,) = [t for t in load_tools([DEMO]) if t.name == "lookup_order"]
-    found = await lookup.run({"order_id": "4 8 2 1 3"}, timeout_s=2)
+    found = await lookup.run({"order_id": "48213"}, timeout_s=2)
     missing = await lookup.run({"order_id": "11111"}, timeout_s=2)
+    spaced = await lookup.run({"order_id": "4 8 2 1 3"}, timeout_s=2)
     assert found.ok and found.content["status"] == "shipped"
     assert missing.ok and missing.content == {"order_id": "11111", "found": False}
+    assert not spaced.ok and "does not match" in spaced.content["error"]
 
 
 @pytest.mark.parametrize("spec,reason", [

@@ -44,10 +44,12 @@ from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.remote_llm import connect
 from voiceagent.pipeline.stt import make_stt, shared_whisper
+from voiceagent.pipeline.tool_calls import register_tools
 from voiceagent.pipeline.tts import make_tts, shared_piper_voice
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.turns import shared_smart_turn_session, turn_strategies
 from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
+from voiceagent.tools import load_tools
 from voiceagent.urls import redact
 
 
@@ -75,7 +77,9 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
                 also: Collection[str] = ()) -> SharedModels:
     """Load the LLM (with the drafts of the methods in `also`, for a benchmark) and start its
     engine thread; warm the per-process ASR, TTS and VAD models so the first call does not pay
-    their load. A remote LLM is checked (it answers, it serves the model) instead of loaded."""
+    their load. A remote LLM is checked (it answers, it serves the model) instead of loaded.
+    The configured tools are imported first: a bad entry fails here, before any model loads."""
+    load_tools(cfg.agent.tools)
     if cfg.llm.backend == "openai":
         progress(f"connecting to the LLM server at {redact(cfg.llm.base_url or '')} ...")
         shared = SharedModels(llm=None, engine=None, chat=connect(cfg.llm, cfg.engine.sampling))
@@ -122,6 +126,7 @@ def build_call(
     Twilio's playback marks); `rtvi` adds pipecat's RTVI messages for a browser client.
     """
     call_id = call_id or uuid.uuid4().hex[:12]
+    tools = load_tools(cfg.agent.tools)
     context = LLMContext()
     aggregators = LLMContextAggregatorPair(
         context, user_params=LLMUserAggregatorParams(user_turn_strategies=turn_strategies(cfg.turn))
@@ -133,7 +138,9 @@ def build_call(
         sampling=cfg.engine.sampling,  # this call's config's, which may differ from the engine's
         method=method,
         context=context if cfg.turn.prepare else None,
+        tools=tools,
     )
+    register_tools(llm, tools, cfg.agent)
     pipeline = Pipeline([
         transport.input(),
         *after_input,

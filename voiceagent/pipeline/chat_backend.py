@@ -4,15 +4,20 @@ Two backends: the in-process engine (`EngineChat`, the default) and a remote Ope
 server (`voiceagent.pipeline.remote_llm.RemoteChat`). Both hand back a handle that streams
 `TextDelta`s, cancels, and ends in a `Completion` whose `RequestStats` the clocks read, so the
 clocks, the dashboard and the benchmarks are the same whichever generates.
+
+Tools: with a `ToolUse`, the model may answer with a tool call instead of (or after) text. The
+engine decodes under the tools grammar (`llm_engine.grammar`), a remote server gets OpenAI's
+`tools` and `tool_choice`; either way the handle streams only the text and the `Completion`
+carries the call in `tool_calls`.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from llm_engine.config import SamplingConfig
+from llm_engine.config import GrammarSpec, SamplingConfig
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine, Completion, TextDelta
 
@@ -27,12 +32,28 @@ class ChatHandle(Protocol):
     async def result(self) -> Completion: ...
 
 
+@dataclass(frozen=True)
+class ToolUse:
+    """The tools a request may call: all of them are shown to the model (the prompt stays the
+    same from turn to turn, so its KV is reused); `required` narrows the reply to a call of one
+    of those names."""
+
+    tools: list[dict]  # OpenAI function tools
+    required: tuple[str, ...] = ()
+
+    def choices(self) -> list[dict]:
+        """The tools the reply may call."""
+        if not self.required:
+            return self.tools
+        return [t for t in self.tools if t["function"]["name"] in self.required]
+
+
 class ChatBackend(Protocol):
     model: str  # what the service reports as its model
     name: str  # the default method label of its requests (engine: its speculation method)
 
-    def submit(self, messages: list[dict[str, str]], sampling: SamplingConfig | None,
-               session_id: str, method: str | None) -> ChatHandle:
+    def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
+               session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
         """Start a request; raises ValueError for a prompt the backend refuses."""
 
     def drop_session(self, session_id: str) -> None:
@@ -54,10 +75,14 @@ class EngineChat:
     def name(self) -> str:
         return self.engine.engine.config.speculation.method
 
-    def submit(self, messages: list[dict[str, str]], sampling: SamplingConfig | None,
-               session_id: str, method: str | None) -> ChatHandle:
-        return self.engine.submit(encode_chat(self.tokenizer, messages), sampling, session_id,
-                                  method)
+    def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
+               session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
+        prompt = encode_chat(self.tokenizer, messages, tools.tools if tools else None)
+        if tools is not None and (sampling is None or sampling.max_new_tokens > 1):
+            grammar = GrammarSpec(kind="tools", tools=tools.choices(),
+                                  tool_choice="required" if tools.required else "auto")
+            sampling = replace(sampling or self.engine.engine.config.sampling, grammar=grammar)
+        return self.engine.submit(prompt, sampling, session_id, method)
 
     def drop_session(self, session_id: str) -> None:
         self.engine.engine.drop_session(session_id)

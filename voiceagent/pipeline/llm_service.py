@@ -39,6 +39,16 @@ What the context keeps of an interrupted reply (pipecat 1.14, read from the sour
   sentence being spoken at barge-in is dropped whole), words for one with them. With no TTS in
   between, the aggregator would keep every `LLMTextFrame` it received.
 
+Tools (voiceagent.tools; wired by tool_calls.py). With tools, each request shows the model the
+call's tool list, and a caller's turn whose words match a tool's triggers requires a call of one
+of those tools. A reply that ends in a tool call goes to pipecat's function-calling flow
+(`LLMService.run_function_calls`): the handler runs, the assistant aggregator writes the call and
+its result into the context as tool messages and pushes the context back, and the next request
+speaks from the result. Side effects only after commit: the call of a prepared reply waits for
+its turn to be confirmed and is dropped with it when withdrawn; a reply cut short (barge-in, a new
+context) never reaches its call. After a tool that ends the call, the next finished reply is
+followed by an `EndWorkerFrame`, which ends the pipeline once that goodbye has been played.
+
 This service's part: it never pushes text after it has forwarded the `InterruptionFrame`; the
 streaming task is cancelled and awaited first. It does not push an `LLMFullResponseEndFrame` for an
 interrupted reply either (pipecat's OpenAI service does, from a `finally`, base_llm.py line 739):
@@ -61,6 +71,8 @@ Frames:
                                         with the conversation when nothing else runs; consumed
          EagerEndOfTurnCancelFrame      cancel a prepared reply (it is discarded); forwarded
          EndFrame                       let the reply in flight finish, then forwarded
+         FunctionCallResultFrame etc.   pipecat's function-call frames, broadcast by the base
+                                        class when a reply calls a tool
          CancelFrame                    cancel everything; forwarded
          anything else                  forwarded
     out  LLMFullResponseStartFrame (PreparedResponseStartFrame for a prepared reply), LLMTextFrame
@@ -78,13 +90,17 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-from dataclasses import dataclass
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from loguru import logger
 from pipecat.frames.frames import (
     CancelFrame,
     EagerEndOfTurnCancelFrame,
     EndFrame,
+    EndWorkerFrame,
     Frame,
     InterruptionFrame,
     LLMContextFrame,
@@ -101,36 +117,43 @@ from pipecat.processors.aggregators.llm_context import (
     standard_message_text,
 )
 from pipecat.processors.frame_processor import FrameDirection
-from pipecat.services.llm_service import LLMService
+from pipecat.services.llm_service import FunctionCallFromLLM, LLMService
 from pipecat.services.settings import LLMSettings
 from pipecat.utils.errors import ErrorCategory
 
 from llm_engine.config import SamplingConfig
 from llm_engine.serving import Completion
-from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle
+from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle, ToolUse
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
+from voiceagent.tools import Tool
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
 
 
-def chat_messages(context: LLMContext, system_prompt: str | None = None) -> list[dict[str, str]]:
-    """The context as plain chat messages for the target's chat template.
+def chat_messages(context: LLMContext, system_prompt: str | None = None) -> list[dict[str, Any]]:
+    """The context as OpenAI chat messages for the backend (`llm_engine.prompts` renders them
+    for the target's chat template).
 
-    Content parts are flattened to their text; tool calls and results, provider-specific messages
-    and messages without text are left out. `system_prompt` goes first when the context has no
-    system message of its own.
+    Content parts are flattened to their text; an assistant's tool calls and the tool results
+    are kept; provider-specific messages and messages without text are left out.
+    `system_prompt` goes first when the context has no system message of its own.
     """
-    messages = []
+    messages: list[dict[str, Any]] = []
     for message in context.get_messages():
         if isinstance(message, LLMSpecificMessage):
             continue
-        role = _CHAT_ROLES.get(message.get("role", ""))
+        role = message.get("role", "")
         text = standard_message_text(message)
-        if role is None or not text:
-            continue
-        messages.append({"role": role, "content": text})
+        if role == "assistant" and message.get("tool_calls"):
+            messages.append({"role": "assistant", "content": text or None,
+                             "tool_calls": message["tool_calls"]})
+        elif role == "tool":
+            messages.append({"role": "tool", "content": text,
+                             "tool_call_id": message.get("tool_call_id", "")})
+        elif role in _CHAT_ROLES and text:
+            messages.append({"role": _CHAT_ROLES[role], "content": text})
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
     return messages
@@ -145,6 +168,7 @@ class _Request:
     interrupted: bool = False  # the engine request was cut short
     discarded: bool = False  # withdrawn before its turn was confirmed
     push_end: bool = True  # False when an interruption, not an End, ends the reply downstream
+    calls: list[FunctionCallFromLLM] = field(default_factory=list)  # not run yet
 
 
 class SpeculativeLLMService(LLMService):
@@ -165,10 +189,12 @@ class SpeculativeLLMService(LLMService):
         sampling: SamplingConfig | None = None,
         method: str | None = None,
         context: LLMContext | None = None,
+        tools: Sequence[Tool] = (),
         **kwargs,
     ):
         """`sampling` and `method` override the engine config's; None keeps them. `context`: the
-        call's conversation, for prefilling the caller's words while they speak (None: off)."""
+        call's conversation, for prefilling the caller's words while they speak (None: off).
+        `tools`: what the model may call (their handlers are registered by tool_calls.py)."""
         # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
         # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
@@ -200,6 +226,12 @@ class SpeculativeLLMService(LLMService):
         # The latest prefill-only request (the system prompt, or the caller's words so far): the
         # next reply's prefix.
         self._prefill: asyncio.Task | None = None
+        self._tools = list(tools)
+        self._ending = False  # a tool ended the call: the next finished reply is the last
+
+    def end_after_reply(self) -> None:
+        """Hang up once the next reply has been spoken (a tool like `end_call` ran)."""
+        self._ending = True
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -230,8 +262,11 @@ class SpeculativeLLMService(LLMService):
                     await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
         elif isinstance(frame, UserStoppedSpeakingFrame):
-            self._prepared = None  # the turn is confirmed: its prepared reply is committed
+            # The turn is confirmed: its prepared reply is committed, and its tool call may run.
+            request, self._prepared = self._prepared, None
             await self.push_frame(frame, direction)
+            if request is not None and request.calls:
+                await self._run_calls(request)
         elif isinstance(frame, UserWordsSoFarFrame):
             self._prefill_words(frame.text)
         elif isinstance(frame, LLMUpdateSettingsFrame):
@@ -260,19 +295,30 @@ class SpeculativeLLMService(LLMService):
             return
         self._submit_prefill([*self._messages(self._context), {"role": "user", "content": text}])
 
-    def _submit_prefill(self, messages: list[dict[str, str]]) -> None:
+    def _submit_prefill(self, messages: list[dict[str, Any]]) -> None:
         """A one-token request that leaves `messages` in this call's KV cache."""
         one = SamplingConfig(max_new_tokens=1)
         try:
-            handle = self._chat.submit(messages, one, self._session_id, self._method)
+            handle = self._chat.submit(messages, one, self._session_id, self._method,
+                                       self._tool_use(messages))
         except ValueError as exc:  # over max_context: the real turn reports it
             logger.warning(f"{self}: prefill refused: {exc}")
             return
         self._prefill = self.create_task(handle.result(), f"prefill-{self._session_id}")
 
-    def _messages(self, context: LLMContext) -> list[dict[str, str]]:
+    def _messages(self, context: LLMContext) -> list[dict[str, Any]]:
         system = self._settings.system_instruction
         return chat_messages(context, system if isinstance(system, str) else None)
+
+    def _tool_use(self, messages: list[dict[str, Any]]) -> ToolUse | None:
+        """The tools this request may call: all of them, a call required when the caller's words
+        (not a tool's result) match some tools' triggers."""
+        if not self._tools:
+            return None
+        last = messages[-1] if messages else {}
+        words = last.get("content") or "" if last.get("role") == "user" else ""
+        required = tuple(t.name for t in self._tools if words and t.triggered_by(words))
+        return ToolUse([t.schema for t in self._tools], required)
 
     async def stop(self, frame: EndFrame):
         # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending
@@ -312,8 +358,9 @@ class SpeculativeLLMService(LLMService):
         # interruption that arrives next always finds it.
         self._log_llm_response(context)
         try:
-            handle = self._chat.submit(self._messages(context), self._sampling, self._session_id,
-                                       self._method)
+            messages = self._messages(context)
+            handle = self._chat.submit(messages, self._sampling, self._session_id, self._method,
+                                       self._tool_use(messages))
         except Exception as exc:  # a refused prompt must not take the call down
             # ValueError is the prompt itself (too long for max_context, empty): the context is
             # at fault, not the service, so pipecat must not mark the service unusable.
@@ -325,7 +372,7 @@ class SpeculativeLLMService(LLMService):
         # No await from submit to here: an interruption cancels the process task at an await,
         # and must find the request registered, with its tasks.
         request = _Request(f"{self._session_id}-{next(self._numbers)}", handle, prepared)
-        request.stream = self.create_task(self._stream(request), f"stream-{request.id}")
+        request.stream = self.create_task(self._stream(request, context), f"stream-{request.id}")
         reporter = self.create_task(self._report(request), f"report-{request.id}")
         self._reporters.add(reporter)
         reporter.add_done_callback(self._reporters.discard)
@@ -333,8 +380,9 @@ class SpeculativeLLMService(LLMService):
         self._current = request
         self._prepared = request if prepared else None
 
-    async def _stream(self, request: _Request) -> None:
-        """Push the reply's frames as the engine's deltas arrive."""
+    async def _stream(self, request: _Request, context: LLMContext) -> None:
+        """Push the reply's frames as the engine's deltas arrive; then its tool call, or the end
+        of the call."""
         await self.start_processing_metrics()
         await self.start_ttfb_metrics()
         await self.push_frame(
@@ -350,6 +398,29 @@ class SpeculativeLLMService(LLMService):
             await self.stop_processing_metrics()
             if request.push_end:
                 await self.push_frame(LLMFullResponseEndFrame())
+        completion = await request.handle.result()
+        if completion.tool_calls:
+            request.calls = [self._call(call, context) for call in completion.tool_calls]
+            if self._prepared is not request:  # else it waits for the turn to be confirmed
+                await self._run_calls(request)
+        elif self._ending and completion.finish_reason != "error":
+            # The goodbye is queued ahead of this frame: the pipeline ends once it is played.
+            await self.push_frame(EndWorkerFrame(reason="a tool ended the call"))
+
+    @staticmethod
+    def _call(call: dict, context: LLMContext) -> FunctionCallFromLLM:
+        arguments = call.get("arguments")
+        return FunctionCallFromLLM(
+            function_name=str(call.get("name", "")),
+            tool_call_id=call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+            arguments=arguments if isinstance(arguments, dict) else {},
+            context=context,
+        )
+
+    async def _run_calls(self, request: _Request) -> None:
+        calls, request.calls = request.calls, []
+        if not request.discarded and not request.interrupted:
+            await self.run_function_calls(calls)
 
     async def _report(self, request: _Request) -> None:
         """Once the engine has ended the request, push its stats (and its error, if any)."""

@@ -20,8 +20,10 @@ the engine's next step).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -33,6 +35,7 @@ from llm_engine.config import SamplingConfig
 from llm_engine.serving import Completion, DeltaStream, TextDelta
 from llm_engine.stats import RequestStats
 from voiceagent.config import LLMConfig
+from voiceagent.pipeline.chat_backend import ToolUse
 from voiceagent.urls import redact
 
 # Timing is the client's own; everything else a server's per-request stats say is kept.
@@ -164,18 +167,18 @@ class RemoteChat:
         self._counters = (time.monotonic(), counters)
         return counters
 
-    def submit(self, messages: list[dict[str, str]], sampling: SamplingConfig | None,
-               session_id: str, method: str | None) -> RemoteHandle:
+    def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
+               session_id: str, method: str | None, tools: ToolUse | None = None) -> RemoteHandle:
         # `method` picks a local proposer; the remote server's speculation is its own.
         if not messages:
             raise ValueError("empty prompt")
-        return RemoteHandle(self, messages, sampling or self.sampling, session_id)
+        return RemoteHandle(self, messages, sampling or self.sampling, session_id, tools)
 
     def drop_session(self, session_id: str) -> None:
         """Nothing to free here: a server's prefix cache (vLLM's, our /v1's) manages itself."""
 
-    def request_args(self, messages: list[dict[str, str]], sampling: SamplingConfig,
-                     session_id: str) -> dict:
+    def request_args(self, messages: list[dict[str, Any]], sampling: SamplingConfig,
+                     session_id: str, tools: ToolUse | None = None) -> dict:
         args: dict = {"model": self.model, "messages": messages, "stream": True,
                       "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                       "top_p": sampling.top_p,
@@ -188,18 +191,28 @@ class RemoteChat:
             args["stop"] = list(sampling.stop)
         if sampling.top_k:
             args["extra_body"] = {"top_k": sampling.top_k}  # vLLM and SGLang take it
+        if tools is not None:
+            args["tools"] = tools.tools
+            args["tool_choice"] = _tool_choice(tools)
         return args
+
+
+def _tool_choice(tools: ToolUse) -> str | dict:
+    if len(tools.required) == 1:
+        return {"type": "function", "function": {"name": tools.required[0]}}
+    return "required" if tools.required else "auto"
 
 
 class RemoteHandle(DeltaStream):
     """One remote request: iterate it for `TextDelta`s, `cancel()` it, await `result()`."""
 
-    def __init__(self, backend: RemoteChat, messages: list[dict[str, str]],
-                 sampling: SamplingConfig, session_id: str):
+    def __init__(self, backend: RemoteChat, messages: list[dict[str, Any]],
+                 sampling: SamplingConfig, session_id: str, tools: ToolUse | None = None):
         super().__init__(asyncio.get_running_loop())
         self._backend = backend
-        self._args = backend.request_args(messages, sampling, session_id)
+        self._args = backend.request_args(messages, sampling, session_id, tools)
         self._text: list[str] = []
+        self._calls: dict[int, dict] = {}  # streamed tool calls by index: id, name, arguments
         self._t0 = time.perf_counter()
         self.stats = RequestStats(method=backend.name)
         self._task = asyncio.create_task(self._run(), name=f"remote-llm-{session_id}")
@@ -224,6 +237,7 @@ class RemoteHandle(DeltaStream):
                     server_stats = (chunk.model_extra or {}).get("voiceagent") or server_stats
                     for choice in chunk.choices:
                         text = choice.delta.content or ""
+                        self._add_call_parts(choice.delta.tool_calls or [])
                         reason = choice.finish_reason or reason
                         tokens = (chunk.usage.completion_tokens - seen if chunk.usage
                                   else int(bool(text)))
@@ -235,14 +249,34 @@ class RemoteHandle(DeltaStream):
                             self._queue.put_nowait(TextDelta(text, [], time.perf_counter()))
             if reason is None:  # cut short: a proxy's timeout, a server gone mid-reply
                 reason, error = "error", "the stream ended without a finish reason"
-            # OpenAI's "stop" is the model's end or a stop string; ours says "eos" for both.
-            reason = {"stop": "eos"}.get(reason, reason)
+            # OpenAI's "stop" is the model's end or a stop string; ours says "eos" for both,
+            # and a tool call ends the reply as the model's end does.
+            reason = {"stop": "eos", "tool_calls": "eos"}.get(reason, reason)
         except asyncio.CancelledError:
             reason = "cancelled"
         except Exception as exc:  # noqa: BLE001 - a failed request must end its handle, not hang it
             reason, error = "error", f"{type(exc).__name__}: {exc}"
         finally:
             self._finish(reason or "error", error, server_stats, usage)
+
+    def _add_call_parts(self, parts) -> None:
+        # OpenAI streams a call as its id and name, then its arguments' JSON in pieces.
+        for part in parts:
+            call = self._calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = part.id or call["id"]
+            if part.function is not None:
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+
+    def _tool_calls(self) -> list[dict]:
+        calls = []
+        for call in self._calls.values():
+            try:
+                arguments = json.loads(call["arguments"] or "{}")
+            except json.JSONDecodeError:
+                arguments = None  # not JSON: `Tool.run` reports it to the model
+            calls.append({"id": call["id"], "name": call["name"], "arguments": arguments})
+        return calls
 
     def _finish(self, reason: str, error: str | None, server_stats: dict | None, usage) -> None:
         if self._completion.done():  # ended already (the done callback comes after `_run`)
@@ -271,4 +305,5 @@ class RemoteHandle(DeltaStream):
         self._queue.put_nowait(self.END)
         if not self._completion.done():
             self._completion.set_result(
-                Completion("".join(self._text), [], reason, stats, error))
+                Completion("".join(self._text), [], reason, stats, error,
+                           self._tool_calls() if reason != "cancelled" else []))

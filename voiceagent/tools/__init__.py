@@ -3,7 +3,10 @@
 A tool list is made of entries, each either a module path whose `TOOLS` list holds the entries
 (`voiceagent.tools.demo`, the demo set), or one mapping `{name, description, parameters,
 handler}` with `parameters` a JSON schema and `handler` an import path `package.module:function`,
-and optionally `ends_call: true` (the call hangs up once the bot has spoken its reply to it).
+and optionally `ends_call: true` (the call hangs up once the bot has spoken its reply to it) and
+`triggers`: regular expressions over the caller's words that make this tool the turn's required
+choice (a small model such as the embedded default seldom decides to call a tool by itself;
+a capable one needs no triggers).
 A handler is `async def handler(**arguments) -> dict | str`: plain Python, no framework types, so
 a tool can be tested on its own.
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -50,6 +54,10 @@ class Tool:
     parameters: dict
     handler: Handler
     ends_call: bool = False
+    triggers: tuple[re.Pattern, ...] = ()
+
+    def triggered_by(self, words: str) -> bool:
+        return any(pattern.search(words) for pattern in self.triggers)
 
     @property
     def schema(self) -> dict:
@@ -115,7 +123,17 @@ def _tool(spec: dict) -> Tool:
     if parameters.get("type") != "object":
         raise ToolError(f"tools: {name}'s parameters must be a JSON schema of type object")
     return Tool(name, spec.get("description", ""), parameters, _handler(name, spec.get("handler")),
-                bool(spec.get("ends_call", False)))
+                bool(spec.get("ends_call", False)), _triggers(name, spec.get("triggers", [])))
+
+
+def _triggers(name: str, patterns: Any) -> tuple[re.Pattern, ...]:
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise ToolError(f"tools: {name}'s triggers must be a list of regular expressions")
+    try:
+        return tuple(re.compile(p, re.IGNORECASE) for p in patterns)
+    except re.error as exc:
+        raise ToolError(f"tools: {name}'s trigger {exc.pattern!r} is not a regular expression: "
+                        f"{exc}") from None
 
 
 def _handler(name: str, path: Any) -> Handler:

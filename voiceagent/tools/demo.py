@@ -27,30 +27,35 @@ async def current_time(timezone: str = "UTC") -> dict:
 
 
 async def lookup_order(order_id: str) -> dict:
-    # Callers say digits with spaces or dashes ("four eight two one three" is transcribed
-    # "4 8 2 1 3" or "48213").
-    key = "".join(ch for ch in order_id if ch.isdigit())
-    order = _orders().get(key)
-    return {"order_id": key, **order} if order else {"order_id": key, "found": False}
+    order = _orders().get(order_id)
+    return {"order_id": order_id, **order} if order else {"order_id": order_id, "found": False}
 
 
 async def end_call(reason: str = "caller is done") -> dict:
     return {"ending": True, "reason": reason}
 
 
+# Strings are bounded by patterns: under the tools grammar the model can only write what they allow
+# (five digits for an order, not "4 8 2 1 3" or a made-up word).
 TOOLS = [
     {"name": "current_time", "description": "The current time and date.",
      "parameters": {"type": "object", "properties": {
-         "timezone": {"type": "string", "description": "IANA zone, e.g. Europe/Paris"}},
+         "timezone": {"type": "string", "pattern": "^[A-Za-z_/]{1,32}$",
+                      "description": "IANA zone, e.g. Europe/Paris"}},
          "additionalProperties": False},
-     "handler": "voiceagent.tools.demo:current_time"},
+     "handler": "voiceagent.tools.demo:current_time",
+     "triggers": [r"\bwhat time\b", r"\btime is it\b"]},
     {"name": "lookup_order", "description": "Look up an order's status by its order number.",
      "parameters": {"type": "object", "properties": {
-         "order_id": {"type": "string", "description": "the order number the caller gave"}},
+         "order_id": {"type": "string", "pattern": "^[0-9]{5}$",
+                      "description": "the five-digit order number the caller gave"}},
          "required": ["order_id"], "additionalProperties": False},
-     "handler": "voiceagent.tools.demo:lookup_order"},
+     "handler": "voiceagent.tools.demo:lookup_order",
+     "triggers": [r"\border\b.*\d|\d.*\border\b"]},
     {"name": "end_call", "description": "Hang up after saying goodbye, when the caller is done.",
-     "parameters": {"type": "object", "properties": {"reason": {"type": "string"}},
+     "parameters": {"type": "object", "properties": {
+         "reason": {"type": "string", "pattern": "^[A-Za-z ,.']{0,60}$"}},
                     "additionalProperties": False},
-     "handler": "voiceagent.tools.demo:end_call", "ends_call": True},
+     "handler": "voiceagent.tools.demo:end_call", "ends_call": True,
+     "triggers": [r"\b(good ?bye|bye|hang up)\b"]},
 ]
