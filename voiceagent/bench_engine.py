@@ -6,6 +6,11 @@ plain, `prompt_lookup_num_tokens` (Saxena 2023) and `assistant_model` (Leviathan
 draft is loaded: what a user would pick instead. The machine is noisy, so every mode runs on each
 prompt before the next prompt starts, in an order rotated per prompt, and ratios are taken per
 prompt pair (`voiceagent.bench_report`). Seeded sampling uses the same seed in every mode.
+
+A tool-call segment (one whose prompts carry tools) is decoded under the tools grammar with
+tool_choice "required" in every engine mode, `off` included, so `grammar` and `grammar+<one>`
+are measured against constrained plain decoding; each call is checked against its tool's schema.
+The HF baselines and the anchor cannot decode under a grammar and skip those prompts.
 """
 
 from __future__ import annotations
@@ -21,16 +26,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import jsonschema
 import torch
 import transformers
 from transformers.generation.streamers import BaseStreamer
 
 from llm_engine import formats
-from llm_engine.config import SamplingConfig
+from llm_engine.config import GrammarSpec, SamplingConfig
 from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
+from llm_engine.grammar import parse_tool_call, tool_functions
 from llm_engine.prompts import encode_chat
-from llm_engine.proposers import proposer_names
+from llm_engine.proposers import check_method, model_setting
 from llm_engine.sampling import is_greedy
 from voiceagent.bench_anchor import AnchorError, anchor_runner, connect
 from voiceagent.bench_formats import format_section, render_formats
@@ -67,14 +74,22 @@ class BenchSettings:
     quality: bool = False  # teacher-forced agreement of each format with fp32
     anchor_url: str | None = None  # an OpenAI-compatible server timed as mode `anchor`
     anchor_model: str | None = None  # None: the first model it serves
+    # A tool call's budget at least: a complete call ends the request (EOS), so this only bounds
+    # one that runs long, and a call cut off by the budget counts as invalid.
+    tool_call_tokens: int = 128
 
-    def sampling(self, temperature: float, max_new_tokens: int | None = None) -> SamplingConfig:
+    def sampling(self, temperature: float, max_new_tokens: int | None = None,
+                 grammar: GrammarSpec | None = None) -> SamplingConfig:
+        if max_new_tokens is None:
+            max_new_tokens = (self.max_new_tokens if grammar is None
+                              else max(self.max_new_tokens, self.tool_call_tokens))
         return SamplingConfig(
             temperature=temperature,
             top_k=self.top_k,
             top_p=self.top_p,
             seed=self.seed,
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            max_new_tokens=max_new_tokens,
+            grammar=grammar,
         )
 
 
@@ -84,6 +99,7 @@ class BenchSettings:
 class BenchPrompt:
     ids: list[int]  # the chat template applied by the target's tokenizer
     messages: list[dict]  # what a server is sent (--anchor-url)
+    grammar: GrammarSpec | None = None  # a tool-call prompt's: its tools, a call required
 
 
 Runner = Callable[[BenchPrompt, SamplingConfig], dict]  # -> RunRecord's measured fields
@@ -201,14 +217,71 @@ def make_runners(
 # -- the harness --------------------------------------------------------------------------------
 
 
-def select_prompts(prompt_set: PromptSet, settings: BenchSettings) -> dict[str, list[str]]:
-    names = settings.segments or list(prompt_set.segments)
+def select_segments(prompt_set: PromptSet, settings: BenchSettings) -> list[str]:
+    """--segments, else every segment the prompt set does not keep for when it is asked for."""
+    names = settings.segments or [n for n in prompt_set.segments if n not in prompt_set.on_request]
     unknown = [n for n in names if n not in prompt_set.segments]
     if unknown:
         known = ", ".join(prompt_set.segments)
         raise ValueError(f"unknown segment(s) {', '.join(unknown)}; the prompt set has: {known}")
-    count = settings.prompts_per_segment
-    return {n: prompt_set.segments[n][:count] if count else prompt_set.segments[n] for n in names}
+    if not names:
+        raise ValueError(f"no segment to run; name some of {', '.join(prompt_set.segments)}")
+    return names
+
+
+def bench_prompts(
+    tokenizer, prompt_set: PromptSet, settings: BenchSettings
+) -> dict[str, list[BenchPrompt]]:
+    """The selected segments' prompts through the chat template, with the tools grammar on a
+    tool-call segment's."""
+    count = settings.prompts_per_segment or None
+    out = {}
+    for segment in select_segments(prompt_set, settings):
+        texts = prompt_set.segments[segment][:count]
+        tools = prompt_set.tools.get(segment, [None] * len(texts))[:count]
+        out[segment] = [_prompt(tokenizer, messages(prompt_set.system, text), tool_list)
+                        for text, tool_list in zip(texts, tools, strict=True)]
+    return out
+
+
+def prompt_modes(modes: list[str], prompt: BenchPrompt) -> list[str]:
+    """The modes a prompt runs in: a baseline cannot decode under a grammar."""
+    return [m for m in modes if prompt.grammar is None or not is_baseline(m)]
+
+
+def warmup_prompts(prompts: dict[str, list[BenchPrompt]]) -> list[BenchPrompt]:
+    """The first prompt without a grammar and the first with each tool list: an engine compiles a
+    grammar on its first request, which stays out of the figures too."""
+    firsts: dict[str, BenchPrompt] = {}
+    for prompt in (p for seg_prompts in prompts.values() for p in seg_prompts):
+        grammar = dataclasses.asdict(prompt.grammar) if prompt.grammar else None
+        firsts.setdefault(json.dumps(grammar, sort_keys=True), prompt)
+    return list(firsts.values())
+
+
+def check_tool_call(text: str, grammar: GrammarSpec) -> tuple[dict | None, bool]:
+    """The call in a tool-call reply, and whether it is schema-valid: it names one of the tools
+    and its arguments validate against that tool's parameters. A call cut off is no call."""
+    call = parse_tool_call(text)
+    functions = {f["name"]: f for f in tool_functions(grammar)}
+    name = call.get("name") if call else None
+    if not isinstance(name, str) or name not in functions:
+        return call, False
+    parameters = functions[name].get("parameters") or {"type": "object", "properties": {}}
+    try:
+        jsonschema.validate(call.get("arguments"), parameters)
+    except jsonschema.ValidationError:
+        return call, False
+    return call, True
+
+
+def measure(runner: Runner, prompt: BenchPrompt, sampling: SamplingConfig, tokenizer) -> dict:
+    """One generation's RunRecord fields; a tool-call prompt's call is checked."""
+    measured = runner(prompt, sampling)
+    if prompt.grammar is not None:
+        text = tokenizer.decode(measured["token_ids"], skip_special_tokens=True)
+        measured["tool_call"], measured["schema_valid"] = check_tool_call(text, prompt.grammar)
+    return measured
 
 
 def run_bench(
@@ -225,13 +298,10 @@ def run_bench(
     """Every mode on every prompt; returns the run records and the modes in report order."""
     runners = make_runners(engine, settings, hf_model, hf_draft, other_formats, anchor)
     modes = list(runners)
-    prompts = {
-        seg: [_prompt(tokenizer, messages(prompt_set.system, text)) for text in texts]
-        for seg, texts in select_prompts(prompt_set, settings).items()
-    }
-    first_prompt = next(iter(prompts.values()))[0]
-    for mode in modes:  # one-off costs (allocator, first-call paths) stay out of the figures
-        runners[mode](first_prompt, settings.sampling(0.0, settings.warmup_tokens))
+    prompts = bench_prompts(tokenizer, prompt_set, settings)
+    for prompt in warmup_prompts(prompts):  # one-off costs (allocator, first-call paths) too
+        for mode in prompt_modes(modes, prompt):
+            runners[mode](prompt, settings.sampling(0.0, settings.warmup_tokens, prompt.grammar))
     progress(f"warmed up {', '.join(modes)}")
 
     plan = [
@@ -243,14 +313,16 @@ def run_bench(
     ]
     records: list[RunRecord] = []
     for turn, (temperature, repeat, segment, index, prompt) in enumerate(plan):
-        shift = turn % len(modes)  # rotate the order, so no mode always runs first or last
+        these = prompt_modes(modes, prompt)
+        shift = turn % len(these)  # rotate the order, so no mode always runs first or last
+        sampling = settings.sampling(temperature, grammar=prompt.grammar)
         done = [
             RunRecord(
                 mode=mode, engine=not is_baseline(mode), segment=segment, prompt_index=index,
                 repeat=repeat, temperature=temperature, prompt_tokens=len(prompt.ids),
-                **runners[mode](prompt, settings.sampling(temperature)),
+                **measure(runners[mode], prompt, sampling, tokenizer),
             )
-            for mode in modes[shift:] + modes[:shift]
+            for mode in these[shift:] + these[:shift]
         ]
         records += done
         progress(
@@ -261,8 +333,9 @@ def run_bench(
     return records, modes
 
 
-def _prompt(tokenizer, chat: list[dict]) -> BenchPrompt:
-    return BenchPrompt(encode_chat(tokenizer, chat), chat)
+def _prompt(tokenizer, chat: list[dict], tools: list[dict] | None) -> BenchPrompt:
+    grammar = GrammarSpec(kind="tools", tools=tools, tool_choice="required") if tools else None
+    return BenchPrompt(encode_chat(tokenizer, chat, tools), chat, grammar)
 
 
 def _rate(value: float | None) -> str:
@@ -358,6 +431,9 @@ def write_results(report: dict, markdown: str, out_dir: str | Path) -> tuple[Pat
 # -- the command --------------------------------------------------------------------------------
 
 
+NEEDS = {"draft": "a draft model", "eagle": "an EAGLE head"}  # by the engine setting naming it
+
+
 def settings_from_args(args, cfg: Config) -> BenchSettings:
     """Flags over the config's sampling; `--quick` fills what the flags leave unset."""
     if args.modes:
@@ -365,14 +441,15 @@ def settings_from_args(args, cfg: Config) -> BenchSettings:
     else:
         modes = (["off", "ngram"] + (["draft"] if cfg.engine.draft else [])
                  + (["eagle"] if cfg.engine.eagle else []))
-    unknown = [m for m in modes if m not in proposer_names()]
-    if unknown:
-        known = ", ".join(proposer_names())
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; known: {known}")
-    if "draft" in modes and not cfg.engine.draft:
-        raise ValueError("mode 'draft' needs a draft model: --set engine.draft=NAME_OR_PATH")
-    if "eagle" in modes and not cfg.engine.eagle:
-        raise ValueError("mode 'eagle' needs an EAGLE head: --set engine.eagle=NAME_OR_PATH")
+    for mode in modes:
+        try:
+            check_method(mode, "method")
+        except ValueError as exc:  # it names the part it refuses: say which mode held it
+            raise ValueError(f"mode {mode!r}: {exc}") from None
+        setting = model_setting(mode)
+        if setting and not getattr(cfg.engine, setting):
+            raise ValueError(f"mode {mode!r} needs {NEEDS[setting]}: "
+                             f"--set engine.{setting}=NAME_OR_PATH")
     modes = [REFERENCE] + [m for m in dict.fromkeys(modes) if m != REFERENCE]  # off: the reference
     temperatures = (
         [float(t) for t in args.temperatures.split(",")] if args.temperatures
@@ -412,13 +489,22 @@ def _formats(args, cfg: Config) -> list[str]:
     return ["float32", "bfloat16"] if on_cpu and not args.quick else []
 
 
+def drafting_methods(modes: list[str]) -> list[str]:
+    """The modes and a combined mode's inner method ("grammar+draft": draft), which is what
+    build_runtime reads to decide which drafters to load."""
+    return [*modes, *(mode.rpartition("+")[2] for mode in modes)]
+
+
 def run_engine_bench(cfg: Config, args) -> int:
     from voiceagent.llm_setup import build_runtime
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress on stderr
     settings = settings_from_args(args, cfg)
     prompt_set = load_prompt_set(args.prompts)
-    select_prompts(prompt_set, settings)  # refuse unknown segments before loading models
+    segments = select_segments(prompt_set, settings)  # refuse unknown ones before loading models
+    if settings.hf and all(seg in prompt_set.tools for seg in segments):
+        settings.hf = False  # no prompt for HF generate(): do not load its fp32 target
+        say("no HF generate() baselines: they cannot decode under the tools grammar")
     anchor = None
     if settings.anchor_url:  # an unreachable server fails now, not after minutes of loading
         try:
@@ -429,18 +515,19 @@ def run_engine_bench(cfg: Config, args) -> int:
         settings.anchor_model = anchor[1]
         say(f"anchor: {settings.anchor_url}, model {anchor[1]}")
     started, load_at_start = datetime.now(timezone.utc), os.getloadavg()[0]
-    runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=settings.modes)
+    drafters = drafting_methods(settings.modes)
+    runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=drafters)
     chosen = runtime.target.dtype
     others = {
         fmt_name: build_runtime(dataclasses.replace(cfg.engine, format=fmt_name),
-                                cfg.paths.cache_dir, say, also=settings.modes)
+                                cfg.paths.cache_dir, say, also=drafters)
         for fmt_name in settings.formats if fmt_name != chosen
     }
     # HF generate() and --quality use the fp32 eager target: the reference a user starts from.
     reference = runtime if chosen == "float32" else others.get("float32")
     if reference is None and (settings.hf or settings.quality):
         reference = build_runtime(dataclasses.replace(cfg.engine, format="float32"),
-                                  cfg.paths.cache_dir, say, also=settings.modes)
+                                  cfg.paths.cache_dir, say, also=drafters)
     records, modes = run_bench(
         runtime.engine, runtime.target.tokenizer, prompt_set, settings,
         hf_model=reference.target.model if reference else None,

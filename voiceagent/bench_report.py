@@ -69,6 +69,10 @@ class RunRecord:
     gated_off: bool = False
     finish_reason: str | None = None
     engine_stats: dict | None = None  # the engine's full RequestStats.to_dict()
+    # Tool-call prompts only: the call parsed from the reply, and whether it names one of the
+    # prompt's tools with arguments valid under that tool's parameters.
+    tool_call: dict | None = None
+    schema_valid: bool | None = None
 
     @property
     def key(self) -> tuple[float, int, str, int]:
@@ -223,6 +227,7 @@ def summarise_cell(runs: list[RunRecord], all_records: list[RunRecord]) -> dict:
     engine_times = first.engine and steps > 0
     reference = reference_for(first.mode)
     pairs = paired_ratios(same_cell, first.mode, reference)
+    checked = [r.schema_valid for r in runs if r.schema_valid is not None]
     return {
         "temperature": first.temperature,
         "segment": first.segment,
@@ -249,6 +254,8 @@ def summarise_cell(runs: list[RunRecord], all_records: list[RunRecord]) -> dict:
             sum(r.verify_ms or 0.0 for r in runs) / steps if engine_times else None
         ),
         "gated_off_runs": sum(r.gated_off for r in runs),
+        "schema_checked": len(checked),  # tool calls checked against their tool's schema
+        "schema_valid": sum(checked) / len(checked) if checked else None,  # their valid share
     }
 
 
@@ -332,19 +339,24 @@ def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _ratio(c: dict) -> str:
+    """× off: 1 for a reference, else the geometric mean and, over several runs, the range."""
+    if is_reference(c["mode"]):
+        return "1"
+    spread = c["ratio_vs_off_range"]
+    brackets = f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread and c["runs"] > 1 else ""
+    return fmt(c["ratio_vs_off"], 2) + brackets
+
+
 def _cell_row(c: dict) -> str:
     by_pos = " ".join(f"{x:.2f}".lstrip("0") for x in c["acceptance_by_pos"][:4]) or "–"
     step_ms = (
         "–" if c["draft_ms_per_step"] is None
         else f"{c['draft_ms_per_step']:.1f} / {c['verify_ms_per_step']:.1f}"
     )
-    ratio = "1" if is_reference(c["mode"]) else fmt(c["ratio_vs_off"], 2)
-    spread = c["ratio_vs_off_range"]
-    if not is_reference(c["mode"]) and spread and c["runs"] > 1:
-        ratio += f" ({spread[0]:.2f}–{spread[1]:.2f})"
     cols = [
         c["segment"], c["mode"], fmt(c["mean_tokens"], 0), fmt(c["decode_tok_s"]),
-        fmt(c["e2e_tok_s"]), ratio, fmt(c["ttft_ms_p50"], 0), fmt(c["itl_ms_p50"], 0),
+        fmt(c["e2e_tok_s"]), _ratio(c), fmt(c["ttft_ms_p50"], 0), fmt(c["itl_ms_p50"], 0),
         fmt(c["itl_ms_p95"], 0), fmt(c["itl_ms_p99"], 0), fmt(c["tokens_per_forward"], 2),
         fmt(c["accepted_per_step"], 2), by_pos, step_ms, str(c["gated_off_runs"]),
     ]
@@ -370,9 +382,21 @@ LEGEND = (
 )
 
 
+TOOL_CALL_HEADER = (
+    "| mode | T | tok/s | tok/fwd | × off | schema-valid |\n|---|--:|--:|--:|--:|--:|"
+)
+
+TOOL_CALL_LEGEND = (
+    "Every mode, off included, decodes these prompts under the tools grammar with tool_choice "
+    "required; the HF baselines and the anchor, which cannot, skip them. schema-valid: calls "
+    "that name one of the prompt's tools with arguments valid under its parameters (jsonschema), "
+    "of the runs; a call cut off by the budget counts as invalid. tok/s, tok/fwd, × off: as above."
+)
+
+
 def render_markdown(summary: dict, header: list[str], extra: list[str] = ()) -> str:
-    """The report: one table per temperature, then ratios (a)-(d), the losslessness check and
-    `extra` sections."""
+    """The report: one table per temperature, the tool-call tables, then ratios (a)-(e), the
+    losslessness check and `extra` sections."""
     lines = ["# Engine benchmark", "", *header, ""]
     temperatures = list(dict.fromkeys(c["temperature"] for c in summary["cells"]))
     for t in temperatures:
@@ -380,10 +404,29 @@ def render_markdown(summary: dict, header: list[str], extra: list[str] = ()) -> 
         lines += [_cell_row(c) for c in summary["cells"] if c["temperature"] == t]
         lines.append("")
     lines += [LEGEND, ""]
+    lines += _tool_call_lines(summary["cells"])
     lines += _ratio_lines(summary["ratios"])
     lines += _lossless_lines(summary["lossless"])
     lines += extra
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _tool_call_lines(cells: list[dict]) -> list[str]:
+    """One table per tool-call segment: speed and the share of schema-valid calls per mode."""
+    checked = [c for c in cells if c.get("schema_checked")]
+    lines = []
+    for segment in dict.fromkeys(c["segment"] for c in checked):
+        lines += [f"## Tool calls: {segment}", "", TOOL_CALL_HEADER]
+        lines += [_tool_call_row(c) for c in checked if c["segment"] == segment]
+        lines.append("")
+    return [*lines, TOOL_CALL_LEGEND, ""] if lines else []
+
+
+def _tool_call_row(c: dict) -> str:
+    valid = f"{c['schema_valid']:.0%} of {c['schema_checked']}"
+    cols = [c["mode"], f"{c['temperature']:g}", fmt(c["decode_tok_s"]),
+            fmt(c["tokens_per_forward"], 2), _ratio(c), valid]
+    return "| " + " | ".join(cols) + " |"
 
 
 def _ratio_lines(r: dict) -> list[str]:

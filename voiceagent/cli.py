@@ -62,15 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine: engine modes vs HF generate(); call: scripted calls, off vs on; "
                    "serve: the server under simulated Twilio callers")
     p.add_argument("--prompts", default=None, help="prompt set YAML "
-                   "(default: configs/prompts/engine_bench_v1.yaml)")
-    p.add_argument("--modes", help="engine modes, comma-separated (engine default: off,ngram and "
-                   "draft when engine.draft is set; off always runs); call: variants "
+                   "(default: configs/prompts/engine_bench_v2.yaml)")
+    p.add_argument("--modes", help="engine modes, comma-separated: proposers (off, ngram, draft, "
+                   "eagle, grammar) or grammar+<one>, e.g. grammar+ngram (engine default: "
+                   "off,ngram and draft when engine.draft is set; off always runs); call: variants "
                    "METHOD[+prepare][+smart_turn][:key=value...] (default: "
                    "off,ngram,off+prepare,ngram+prepare)")
     p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
-    p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32)")
+    p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32; "
+                   "bench engine: at least 128 for a tool call)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
-    p.add_argument("--segments", help="comma-separated segment names (default: all)")
+    p.add_argument("--segments", help="bench engine: comma-separated segment names (default: "
+                   "all but the prompt set's on-request ones; tool_call, whose prompts are "
+                   "decoded under the tools grammar and must call a tool, runs only when named)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every mode")
     p.add_argument("--hf-lookup-tokens", type=int, default=10,
                    help="HF generate(prompt_lookup_num_tokens=N) (default: 10)")

@@ -10,12 +10,15 @@ import pytest
 import torch
 import yaml
 
-from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.config import EngineConfig, GrammarSpec, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
+from llm_engine.grammar import GrammarCache
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
 from voiceagent.bench_engine import (
     BenchSettings,
     build_report,
+    check_tool_call,
+    drafting_methods,
     report_header,
     run_bench,
     settings_from_args,
@@ -197,13 +200,13 @@ def test_draft_mode_without_a_draft_model_is_refused_before_loading(capsys):
     assert "needs a draft model" in capsys.readouterr().err
 
 
-def test_the_shipped_prompt_set_covers_the_five_segments():
+def test_the_shipped_prompt_set_keeps_version_1s_segments_and_adds_tool_calls_on_request():
     prompts = load_prompt_set()
-    assert prompts.version == 1
-    assert set(prompts.segments) == {
-        "short_factual", "long_explanation", "customer_service", "json_tool_call",
-        "repeated_context",
-    }
+    v1 = load_prompt_set(REPO_ROOT / "configs" / "prompts" / "engine_bench_v1.yaml")
+    assert prompts.version == 2
+    assert list(prompts.segments) == [*v1.segments, "tool_call"]
+    assert all(prompts.segments[name] == v1.segments[name] for name in v1.segments)
+    assert prompts.on_request == ["tool_call"] and list(prompts.tools) == ["tool_call"]
 
 
 # -- the harness end to end on tiny models ------------------------------------------------------
@@ -310,3 +313,98 @@ def test_unknown_formats_are_refused_before_loading():
 def test_a_cpu_bench_runs_fp32_and_bf16_side_by_side_by_default():
     s = settings_from_args(bench_args(), load_config(None, ["engine.device=cpu"]))
     assert s.formats == ["float32", "bfloat16"]
+
+
+# -- the tool-call segment ----------------------------------------------------------------------
+
+ORDER = {"type": "function", "function": {"name": "lookup_order", "parameters": {
+    "type": "object", "properties": {"order_id": {"type": "string", "pattern": "^[0-9]{5}$"}},
+    "required": ["order_id"], "additionalProperties": False}}}
+BOOK = {"type": "function", "function": {"name": "book_slot", "parameters": {
+    "type": "object",
+    "properties": {"day": {"enum": ["monday", "friday"]},
+                   "hour": {"type": "integer", "minimum": 8, "maximum": 18}},
+    "required": ["day", "hour"], "additionalProperties": False}}}
+TOOLS = GrammarSpec(kind="tools", tools=[ORDER, BOOK], tool_choice="required")
+
+
+@pytest.mark.parametrize(("text", "valid"), [
+    ('<tool_call>{"name": "book_slot", "arguments": {"day": "friday", "hour": 15}}</tool_call>',
+     True),
+    ('<tool_call>{"name": "lookup_order", "arguments": {"order_id": "48213"}}</tool_call>', True),
+    ('<tool_call>{"name": "cancel_order", "arguments": {"order_id": "48213"}}</tool_call>',
+     False),  # not one of the tools
+    ('<tool_call>{"name": "book_slot", "arguments": {"day": "friday", "hour": 19}}</tool_call>',
+     False),  # out of bounds
+    ('<tool_call>{"name": "book_slot", "arguments": {"day": "friday"}}</tool_call>', False),
+    ('<tool_call>{"name": "lookup_order", "arguments": {"order_id": "48213", "x": 1}}</tool_call>',
+     False),  # a property the schema does not allow
+    ('<tool_call>{"name": "lookup_order", "arguments": {"order_id": "482', False),  # cut off
+    ("Your order is on its way.", False),
+])
+def test_a_call_is_valid_only_with_a_listed_name_and_arguments_under_its_schema(text, valid):
+    assert check_tool_call(text, TOOLS)[1] is valid
+
+
+def test_every_shipped_tool_call_prompt_has_tools_that_compile_into_a_grammar():
+    prompts = load_prompt_set()
+    tokenizer = make_tokenizer()
+    cache = GrammarCache(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    assert 8 <= len(prompts.segments["tool_call"]) <= 12
+    for tools in prompts.tools["tool_call"]:
+        assert 2 <= len(tools) <= 4
+        cache.compile(GrammarSpec(kind="tools", tools=tools, tool_choice="required"))
+
+
+def test_modes_are_checked_before_loading_combined_ones_included(capsys):
+    cfg = load_config()
+    s = settings_from_args(bench_args(modes="grammar,grammar+ngram"), cfg)
+    assert s.modes == ["off", "grammar", "grammar+ngram"]
+    assert main(["bench", "engine", "--modes", "off,grammar+bogus"]) == 2
+    assert "mode 'grammar+bogus': unknown method 'bogus'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs a draft model"):
+        settings_from_args(bench_args(modes="grammar+draft"),
+                           load_config(None, ["engine.draft=null"]))
+    assert "draft" in drafting_methods(["off", "grammar+draft"])  # so build_runtime loads it
+
+
+def test_tool_call_prompts_run_under_the_grammar_and_every_call_is_schema_valid(
+        tmp_path, one_thread):
+    tokenizer = make_tokenizer()
+    target = make_model(len(tokenizer), seed=0)
+    config = EngineConfig(speculation=SpeculationConfig(method="ngram"))
+    engine = SpeculativeEngine(target, tokenizer, config)
+    prompt_set = PromptSet(
+        version=0, system="Be brief.", path="inline", sha256="-",
+        segments={"chat": ["Hello, how can I help you today?"],
+                  "tool_call": ["Where is order four eight two one three?", "Book me friday."]},
+        tools={"tool_call": [[ORDER, BOOK], [BOOK, ORDER]]}, on_request=["tool_call"],
+    )
+    settings = BenchSettings(modes=["off", "grammar", "grammar+ngram"], temperatures=[0.0, 0.8],
+                             max_new_tokens=8, warmup_tokens=2)
+    records, modes = run_bench(engine, tokenizer, prompt_set, settings, hf_model=target)
+    assert {r.segment for r in records} == {"chat"}  # tool_call runs only when asked
+
+    settings.segments = ["chat", "tool_call"]
+    records, modes = run_bench(engine, tokenizer, prompt_set, settings, hf_model=target)
+    calls = [r for r in records if r.segment == "tool_call"]
+    assert len(calls) == 3 * 2 * 2  # engine modes only: HF cannot decode under a grammar
+    assert all(r.schema_valid and r.tool_call["name"] in {"lookup_order", "book_slot"}
+               for r in calls), [(r.mode, r.tool_call) for r in calls]
+    assert all(r.schema_valid is None for r in records if r.segment == "chat")
+
+    report = build_report(records, modes, settings, prompt_set, engine)
+    json_path, md_path = write_results(
+        report, render_markdown(report["summary"], report_header(report)), tmp_path)
+    data = json.loads(json_path.read_text())
+    assert all(run["schema_valid"] for run in data["runs"] if run["segment"] == "tool_call")
+    cells = {(c["temperature"], c["mode"]): c for c in data["summary"]["cells"]
+             if c["segment"] == "tool_call"}
+    assert cells[(0.0, "grammar")]["tokens_per_forward"] > cells[(0.0, "off")]["tokens_per_forward"]
+    assert data["summary"]["lossless"]["grammar+ngram"]["mismatches"] == 0
+    text = md_path.read_text()
+    header = "| mode | T | tok/s | tok/fwd | × off | schema-valid |"
+    assert f"## Tool calls: tool_call\n\n{header}" in text
+    for mode in ("off", "grammar", "grammar+ngram"):
+        assert f"| {mode} | 0.8 |" in text
+    assert text.count("| 100% of 2 |") == 6
