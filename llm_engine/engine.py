@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from llm_engine import cost_model as costs
 from llm_engine import kv
 from llm_engine.adaptive import CostGate, DraftLength, PlainStepCost
-from llm_engine.config import EngineConfig, SamplingConfig
+from llm_engine.config import EngineConfig, GrammarSpec, SamplingConfig
 from llm_engine.grammar import GrammarCache, GrammarState
 from llm_engine.proposers import (
     EMPTY_DRAFT,
@@ -437,15 +437,24 @@ class SpeculativeEngine:
     def _new_proposer(self, method: str) -> Proposer:
         return make_proposer(method, self.spec, self._models().get(model_setting(method)))
 
-    def _grammar_state(self, sampling: SamplingConfig) -> GrammarState | None:
-        if sampling.grammar is None:
-            return None
+    def compile_grammars(self, specs: list[GrammarSpec]) -> None:
+        """Compile grammars ahead of the requests that use them: a request starts on its caller's
+        thread (an event loop), and a tool list's first compile takes a few hundred ms."""
+        for spec in specs:
+            self._grammar_cache().compile(spec)
+
+    def _grammar_cache(self) -> GrammarCache:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("a grammar needs the engine's tokenizer")
             vocab = self.target.get_output_embeddings().weight.shape[0]  # the logits' width
             self._grammars = GrammarCache(self.tokenizer, vocab, self.eos_token_ids)
-        return self._grammars.new_state(sampling.grammar, self.spec.max_draft_tokens + 1)
+        return self._grammars
+
+    def _grammar_state(self, sampling: SamplingConfig) -> GrammarState | None:
+        if sampling.grammar is None:
+            return None
+        return self._grammar_cache().new_state(sampling.grammar, self.spec.max_draft_tokens + 1)
 
     def _models(self) -> dict[str, torch.nn.Module]:
         """The drafting models loaded, by the engine setting that names them."""

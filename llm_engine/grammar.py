@@ -100,6 +100,23 @@ class ToolCallSplitter:
         return parse_tool_call(self.call_text) if self.call_text else None
 
 
+def check_spec(spec: GrammarSpec) -> None:
+    """Raise ValueError naming what xgrammar cannot take in the spec's schemas (no tokenizer
+    needed: for refusing a request up front)."""
+    schemas = ([spec.json_schema] if spec.kind == "json_schema" else
+               [f.get("parameters") or {"type": "object"} for f in tool_functions(spec)])
+    for schema in schemas:
+        try:
+            _canonical_json(schema)
+        except RuntimeError as exc:
+            raise ValueError(f"unsupported schema: {_reason(exc)}") from None
+
+
+def _reason(exc: RuntimeError) -> str:
+    # xgrammar's messages start with a time stamp and its C++ source location.
+    return str(exc).strip().splitlines()[-1].split(": ", 1)[-1]
+
+
 def _canonical_json(schema: dict) -> str:
     # The schema as an EBNF grammar in the canonical layout (see the module doc).
     return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
@@ -143,11 +160,14 @@ class GrammarCache:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        if spec.kind == "json_schema":
-            compiled = self.compiler.compile_json_schema(
-                json.dumps(spec.json_schema), any_whitespace=False)
-        else:
-            compiled = self.compiler.compile_structural_tag(_tools_tag(spec))
+        try:
+            if spec.kind == "json_schema":
+                compiled = self.compiler.compile_json_schema(
+                    json.dumps(spec.json_schema), any_whitespace=False)
+            else:
+                compiled = self.compiler.compile_structural_tag(_tools_tag(spec))
+        except RuntimeError as exc:  # xgrammar's word for a schema it cannot take
+            raise ValueError(f"unsupported schema: {_reason(exc)}") from None
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > self.size:

@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -25,6 +26,10 @@ from voiceagent.models import resolve
 
 MODEL = "smollm2-135m-instruct"  # the default config's target: the id /v1 serves
 HELLO = [{"role": "user", "content": "Hello there, who are you?"}]
+ORDER = {"type": "function", "function": {
+    "name": "lookup_order", "description": "An order's status.",
+    "parameters": {"type": "object", "required": ["order_id"], "additionalProperties": False,
+                   "properties": {"order_id": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
 
 
 @pytest.fixture
@@ -75,12 +80,23 @@ async def test_a_stream_sends_role_then_text_then_finish_usage_and_done(tiny_api
 
 @pytest.mark.parametrize("change,status,param", [
     ({"model": "gpt-4o"}, 404, "model"),
-    ({"tools": [{"type": "function"}]}, 400, "tools"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ({"tool_choice": "required"}, 400, "tool_choice"),
+    ({"tools": [ORDER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, 400,
+     "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bad"}}}]},
+     400, "tools"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "bad"}}}}, 400,
+     "response_format"),
+    ({"response_format": {"type": "json_object"}, "tools": [ORDER], "tool_choice": "required"},
+     400, "response_format"),
+    ({"logprobs": True}, 400, "logprobs"),
     ({"n": 2}, 400, "n"),
     ({"temperature": 3}, 400, "temperature"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
 ])
 async def test_what_is_not_supported_is_a_clear_error(tiny_api, change, status, param):
@@ -89,6 +105,57 @@ async def test_what_is_not_supported_is_a_clear_error(tiny_api, change, status, 
                                json={"model": MODEL, "messages": HELLO, **change})
     error = response.json()["error"]
     assert response.status_code == status and error["param"] == param and error["message"]
+
+
+async def test_a_required_tool_call_comes_back_schema_valid_with_finish_tool_calls(tiny_api):
+    _app, http = tiny_api
+    for seed in range(3):
+        body = {"model": MODEL, "messages": HELLO, "max_tokens": 200, "temperature": 1.0,
+                "seed": seed, "tools": [ORDER], "tool_choice": "required"}
+        choice = (await http.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        [call] = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls"
+        assert call["function"]["name"] == "lookup_order"
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            ORDER["function"]["parameters"])
+
+
+async def test_a_named_tool_choice_streams_the_call_as_tool_call_deltas(tiny_api):
+    _app, http = tiny_api
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 200, "stream": True,
+            "tools": [ORDER], "tool_choice": {"type": "function",
+                                              "function": {"name": "lookup_order"}}}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        chunks = [json.loads(line[6:]) async for line in response.aiter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert not any(d.get("content") for d in deltas), "the call is not text"
+    [calls] = [d["tool_calls"] for d in deltas if d.get("tool_calls")]
+    assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "lookup_order"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_a_json_schema_response_format_gives_json_that_holds(tiny_api):
+    _app, http = tiny_api
+    schema = {"type": "object", "required": ["day"], "additionalProperties": False,
+              "properties": {"day": {"enum": ["monday", "friday"]}}}
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 200, "temperature": 1.0, "seed": 3,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "slot", "schema": schema}}}
+    got = (await http.post("/v1/chat/completions", json=body)).json()
+    jsonschema.validate(json.loads(got["choices"][0]["message"]["content"]), schema)
+
+
+async def test_a_conversation_with_a_tool_result_is_answered(tiny_api):
+    _app, http = tiny_api
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "lookup_order", "arguments": '{"order_id": "48213"}'}}
+    messages = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"status": "shipped"}'}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4, "tools": [ORDER]}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
 
 
 async def test_requests_over_the_limit_are_429(tiny_api):

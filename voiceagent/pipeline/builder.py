@@ -38,7 +38,7 @@ from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config
 from voiceagent.llm_setup import LLMRuntime, build_runtime
 from voiceagent.models import resolve
-from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat
+from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat, ToolUse
 from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
@@ -79,7 +79,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     engine thread; warm the per-process ASR, TTS and VAD models so the first call does not pay
     their load. A remote LLM is checked (it answers, it serves the model) instead of loaded.
     The configured tools are imported first: a bad entry fails here, before any model loads."""
-    load_tools(cfg.agent.tools)
+    tools = load_tools(cfg.agent.tools)
     if cfg.llm.backend == "openai":
         progress(f"connecting to the LLM server at {redact(cfg.llm.base_url or '')} ...")
         shared = SharedModels(llm=None, engine=None, chat=connect(cfg.llm, cfg.engine.sampling))
@@ -87,6 +87,11 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
         engine, llm = AsyncEngine.build(
             lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also))
         shared = SharedModels(llm=llm, engine=engine)
+    if tools and isinstance(shared.chat, EngineChat):
+        progress(f"compiling the grammars of {len(tools)} tool(s) ...")
+        schemas = [t.schema for t in tools]
+        shared.chat.prepare_tools([ToolUse(schemas), *(ToolUse(schemas, (t.name,))
+                                                       for t in tools if t.triggers)])
     asr = resolve(cfg.asr.model, "asr")
     progress(f"loading ASR {cfg.asr.model} ...")
     shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type, cfg.asr.cpu_threads)

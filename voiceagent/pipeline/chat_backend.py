@@ -47,6 +47,11 @@ class ToolUse:
             return self.tools
         return [t for t in self.tools if t["function"]["name"] in self.required]
 
+    def grammar(self) -> GrammarSpec:
+        """The engine's grammar for the reply (`llm_engine.grammar`)."""
+        return GrammarSpec(kind="tools", tools=self.choices(),
+                           tool_choice="required" if self.required else "auto")
+
 
 class ChatBackend(Protocol):
     model: str  # what the service reports as its model
@@ -79,10 +84,13 @@ class EngineChat:
                session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
         prompt = encode_chat(self.tokenizer, messages, tools.tools if tools else None)
         if tools is not None and (sampling is None or sampling.max_new_tokens > 1):
-            grammar = GrammarSpec(kind="tools", tools=tools.choices(),
-                                  tool_choice="required" if tools.required else "auto")
-            sampling = replace(sampling or self.engine.engine.config.sampling, grammar=grammar)
+            sampling = replace(sampling or self.engine.engine.config.sampling,
+                               grammar=tools.grammar())
         return self.engine.submit(prompt, sampling, session_id, method)
 
     def drop_session(self, session_id: str) -> None:
         self.engine.engine.drop_session(session_id)
+
+    def prepare_tools(self, uses: list[ToolUse]) -> None:
+        """Compile the grammars of these tool uses now, not on a call's event loop."""
+        self.engine.engine.compile_grammars([use.grammar() for use in uses])

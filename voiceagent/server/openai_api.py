@@ -2,13 +2,17 @@
 
 So OpenAI-compatible clients (the `openai` package, pipecat's and LiveKit's OpenAI services,
 benchmark tools) can use our engine as they use vLLM. Behind the server's token (a Bearer
-header). Supported: `messages` (system, user, assistant; text content), `stream` with
+header). Supported: `messages` (system, user, assistant, tool; text content; an assistant's
+`tool_calls`), `tools` with `tool_choice` (none, auto, required, or one named function) and
+`response_format` (text, json_object, json_schema), both decoded under a grammar
+(`llm_engine.grammar`, so a call's arguments follow the tool's schema: at most one call per
+reply), `stream` with
 `stream_options.include_usage` and `continuous_usage_stats` (vLLM's: the running usage on every
 chunk, so a client can count a speculative step's tokens), `max_tokens` /
 `max_completion_tokens`, `temperature`, `top_p`, `top_k` (vLLM's extension), `seed`, `stop` (up
 to 4), `n` = 1, and `user`,
 which keys the engine's prefix cache: a client's next turn reuses the KV of its last one.
-Anything else a request sets (tools, response_format, logprobs, n > 1, ...) is refused with a 400
+Anything else a request sets (logprobs, n > 1, ...) is refused with a 400
 that names it, never silently ignored. A client that goes away
 cancels its request at the engine's next step. The engine's per-request speculation stats travel
 in an extension field, `voiceagent`, of the response (streamed: of the last chunk).
@@ -29,8 +33,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from llm_engine.config import SamplingConfig
-from llm_engine.prompts import encode_chat
+from llm_engine.config import GrammarSpec, SamplingConfig
+from llm_engine.grammar import check_spec
+from voiceagent.pipeline.chat_backend import ToolUse
 from voiceagent.server.auth import authorized
 from voiceagent.server.guard import json_object
 from voiceagent.server.state import ServerState
@@ -38,7 +43,8 @@ from voiceagent.server.state import ServerState
 router = APIRouter()
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 HANDLED = {"model", "messages", "stream", "stream_options", "max_tokens",
-           "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "user"}
+           "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "user",
+           "tools", "tool_choice", "parallel_tool_calls", "response_format"}
 
 
 class TextPart(BaseModel):
@@ -46,15 +52,69 @@ class TextPart(BaseModel):
     text: str
 
 
+class Function(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class FunctionTool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class NamedChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[Literal["name"], str]
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(
             p.text for p in self.content)
+
+    def as_chat(self) -> dict:
+        """The message as `llm_engine.prompts` renders it."""
+        message: dict = {"role": "system" if self.role == "developer" else self.role,
+                         "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id or ""
+        return message
 
 
 class ChatRequest(BaseModel):
@@ -72,6 +132,10 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None  # one call a reply at most, whatever it says
+    response_format: ResponseFormat | None = None
 
 
 class APIError(Exception):
@@ -127,14 +191,12 @@ async def chat_completions(request: Request):
         if len(server.api_handles) >= server.cfg.server.max_api_requests:
             raise APIError(429, f"too many requests at once (at most "
                            f"{server.cfg.server.max_api_requests})", "rate_limit_error")
-        prompt = encode_chat(server.shared.llm.target.tokenizer,
-                             [{"role": "system" if m.role == "developer" else m.role,
-                               "content": m.text()} for m in chat.messages])
         sampling = _sampling(server, chat)
         # Namespaced, so an API client's id never names a call's session.
         session = f"api:{chat.user}" if chat.user else None
-        handle = server.shared.engine.submit(prompt, sampling, session,
-                                             method=server.cfg.engine.speculation.method)
+        handle = server.shared.chat.submit([m.as_chat() for m in chat.messages], sampling,
+                                           session, server.cfg.engine.speculation.method,
+                                           _tool_use(chat))
     except APIError as exc:
         return exc.response()
     except ValueError as exc:  # the engine refused the prompt (too long for its context)
@@ -142,7 +204,7 @@ async def chat_completions(request: Request):
     except RuntimeError as exc:  # the engine is closed or its worker died
         return APIError(503, str(exc), "server_error").response()
     server.api_handles.add(handle)  # counted until done, however the client leaves
-    reply = Reply(chat, handle, len(prompt))
+    reply = Reply(chat, handle, len(handle.state.prompt_ids))
     if chat.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -163,7 +225,51 @@ def _parse(body: dict) -> ChatRequest:
     stops = [chat.stop] if isinstance(chat.stop, str) else chat.stop or []
     if len(stops) > 4:
         raise APIError(400, "stop: at most 4 sequences", param="stop")
+    _check_tools(chat)
     return chat
+
+
+def _check_tools(chat: ChatRequest) -> None:
+    names = [t.function.name for t in chat.tools or []]
+    if isinstance(chat.tool_choice, NamedChoice):
+        if chat.tool_choice.function.get("name") not in names:
+            raise APIError(400, "tool_choice names a function that is not in tools",
+                           param="tool_choice")
+    elif chat.tool_choice in ("auto", "required") and not names:
+        raise APIError(400, f"tool_choice '{chat.tool_choice}' needs tools", param="tool_choice")
+    response = chat.response_format
+    if response is not None and response.type != "text" and _tool_use(chat) is not None:
+        raise APIError(400, "response_format and tools cannot both constrain one reply",
+                       param="response_format")
+    if response is not None and response.type == "json_schema" and response.json_schema is None:
+        raise APIError(400, "response_format json_schema needs json_schema",
+                       param="response_format")
+    use = _tool_use(chat)
+    for spec, param in ((_grammar(chat), "response_format"), (use and use.grammar(), "tools")):
+        try:
+            if spec is not None:
+                check_spec(spec)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+
+
+def _tool_use(chat: ChatRequest) -> ToolUse | None:
+    if not chat.tools or chat.tool_choice == "none":
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in chat.tools]
+    if isinstance(chat.tool_choice, NamedChoice):
+        return ToolUse(tools, (chat.tool_choice.function["name"],))
+    required = tuple(t.function.name for t in chat.tools) if chat.tool_choice == "required" else ()
+    return ToolUse(tools, required)
+
+
+def _grammar(chat: ChatRequest) -> GrammarSpec | None:
+    response = chat.response_format
+    if response is None or response.type == "text":
+        return None
+    if response.type == "json_object":
+        return GrammarSpec(kind="json_schema", json_schema={"type": "object"})
+    return GrammarSpec(kind="json_schema", json_schema=response.json_schema.schema_)
 
 
 def _sampling(server: ServerState, chat: ChatRequest) -> SamplingConfig:
@@ -176,7 +282,12 @@ def _sampling(server: ServerState, chat: ChatRequest) -> SamplingConfig:
         seed=chat.seed,
         max_new_tokens=limit,
         stop=[chat.stop] if isinstance(chat.stop, str) else list(chat.stop or []),
+        grammar=_grammar(chat),
     )
+
+
+def _finish(completion) -> str:
+    return "tool_calls" if completion.tool_calls else FINISH[completion.finish_reason]
 
 
 class Reply:
@@ -196,11 +307,20 @@ class Reply:
         completion = await self.handle.result()
         if completion.finish_reason == "error":
             return APIError(500, completion.error or "generation failed", "server_error").response()
+        message = {"role": "assistant", "content": completion.text}
+        if completion.tool_calls:
+            message = {"role": "assistant", "content": completion.text or None,
+                       "tool_calls": self._calls(completion)}
         return {**self._base(), "object": "chat.completion",
-                "choices": [{"index": 0, "finish_reason": FINISH[completion.finish_reason],
-                             "message": {"role": "assistant", "content": completion.text}}],
+                "choices": [{"index": 0, "finish_reason": _finish(completion),
+                             "message": message}],
                 "usage": self._usage(len(completion.token_ids)),
                 "voiceagent": completion.stats.to_dict()}
+
+    def _calls(self, completion) -> list[dict]:
+        return [{"id": f"call_{self.id[-24:]}_{i}", "type": "function",
+                 "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+                for i, call in enumerate(completion.tool_calls)]
 
     def _chunk(self, delta: dict, finish: str | None = None, **extra) -> str:
         data = {**self._base(), "object": "chat.completion.chunk",
@@ -227,7 +347,11 @@ class Reply:
                          "type": "server_error", "param": None, "code": None}
                 yield f"data: {json.dumps({'error': error})}\n\n"
             else:
-                yield self._chunk({}, FINISH[completion.finish_reason],
+                if completion.tool_calls:
+                    calls = [{"index": i, **call} for i, call in
+                             enumerate(self._calls(completion))]
+                    yield self._chunk({"tool_calls": calls})
+                yield self._chunk({}, _finish(completion),
                                   voiceagent=completion.stats.to_dict())
                 if options.get("include_usage"):
                     usage = {**self._base(), "object": "chat.completion.chunk", "choices": [],
