@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ from tests.voiceagent.serving import server_config, serving, until
 from tests.voiceagent.tiny_shared import tiny_shared
 from voiceagent.config import LLMConfig
 from voiceagent.pipeline.builder import SharedModels
+from voiceagent.pipeline.chat_backend import ToolUse
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 from voiceagent.pipeline.remote_llm import (
@@ -126,6 +128,21 @@ async def test_a_reply_is_the_engines_with_client_timing_and_the_servers_specula
     assert stats.ttft_ms is not None and stats.ttft_ms > 0
     assert stats.steps and stats.k_history  # the server's own per-request speculation, kept
     assert stats.drafted == direct.stats.drafted
+
+
+async def test_a_required_tool_call_comes_back_as_the_completions_call(remote):
+    _app, url, _shared = remote
+    order = {"type": "function", "function": {"name": "lookup_order", "parameters": {
+        "type": "object", "required": ["order_id"],
+        "properties": {"order_id": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+    chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=200))
+    handle = chat.submit(HELLO, None, "call-1", None, ToolUse([order], ("lookup_order",)))
+    spoken = [delta.text async for delta in handle]
+    done = await handle.result()
+    [call] = done.tool_calls
+    assert spoken == [] and done.finish_reason == "eos"
+    assert call["name"] == "lookup_order" and call["id"]
+    assert re.fullmatch("[0-9]{5}", call["arguments"]["order_id"])
 
 
 async def test_cancel_closes_the_stream_and_the_server_stops_generating(slow_remote):
