@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import re
+import time
 
 import httpx
 import numpy as np
@@ -20,9 +21,12 @@ import pytest
 from tests.audio.speech import silence, speech
 from tests.voiceagent import browser
 from tests.voiceagent.server_proc import log_tail, running_server
+from tests.voiceagent.turns import make_turn
 from voiceagent.call import simulate_call
 from voiceagent.config import load_config
+from voiceagent.dashboard.store import CallInfo, open_store
 from voiceagent.pipeline.builder import load_shared
+from voiceagent.pipeline.turn_record import ToolCall
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,7 +36,12 @@ pytestmark = [
 QUESTIONS = ("What is the capital of France?", "And what about Spain?")
 # The waterfall's segments, in the page's order (TurnRecord.breakdown keys).
 SEGMENTS = ("user_speech_ms", "vad_hangover_ms", "asr_final_ms", "transcript_to_request_ms",
-            "first_token_ms", "first_clause_ms", "tts_first_chunk_ms", "chunk_to_audio_ms")
+            "tool_call_ms", "tools_ms", "first_token_ms", "first_clause_ms", "tts_first_chunk_ms",
+            "chunk_to_audio_ms")
+# A hand-built call whose first turn called tools, three days old: outside the page's default
+# window (the tests above see only the real call), inside "last 7 d" and the store's retention.
+TOOL_CALL_ID = "tool-call"
+TOOLS = [ToolCall("lookup_order", 612.4, 87, ok=True), ToolCall("get_weather", 2500.0, 41, False)]
 CLOCKS = {
     "chart-clock1": lambda t: t["clocks"]["request_to_first_token_ms"],
     "chart-clock2": lambda t: t["clocks"]["itl_ms"]["p50"],
@@ -72,7 +81,21 @@ def stored_call(tmp_path_factory):
     finally:
         shared.close()
     assert len(result.turns) == len(QUESTIONS), [t.user_text for t in result.turns]
+    _store_tool_call(cfg)
     return tmp, result.call_id
+
+
+def _store_tool_call(cfg) -> None:
+    started = time.time() - 3 * 86400
+    store = open_store(cfg)
+    store.start_call(CallInfo(TOOL_CALL_ID, "twilio", started, "ngram"))
+    with_tools, plain = (make_turn(TOOL_CALL_ID, n, started + n) for n in (1, 2))
+    with_tools.breakdown.tool_call_ms, with_tools.breakdown.tools_ms = 180.0, 3150.0
+    with_tools.tool_calls = TOOLS
+    for record in (with_tools, plain):
+        store.write(record)
+    store.flush()
+    store.close()
 
 
 @pytest.fixture(scope="module")
@@ -226,10 +249,7 @@ def test_calls_list_shows_the_call_and_a_click_draws_its_waterfall(dashboard, st
     turns = dashboard.api(f"/api/calls/{call_id}")["turns"]
 
     page.click(row)
-    dashboard.wait("""(n) => {
-      const d = document.getElementById("chart-waterfall").data;
-      return Array.isArray(d) && d.length === 8 && d.every((t) => t.y.length === n);
-    }""", "no waterfall with a bar per turn after the click", len(turns))
+    _wait_for_waterfall(dashboard, len(turns))
     traces = page.evaluate(CHART_DATA, "chart-waterfall")
     for key, trace in zip(SEGMENTS, traces, strict=True):
         want = [t["breakdown"].get(key) or 0 for t in turns]  # a segment not measured is 0
@@ -252,6 +272,41 @@ def test_calls_list_shows_the_call_and_a_click_draws_its_waterfall(dashboard, st
                 "itl_ms.p50": t["clocks"]["itl_ms"]["p50"],
                 "turn_end_to_first_audio_ms": t["clocks"]["turn_end_to_first_audio_ms"]}
         dashboard.expect(shown == want, f"turn {t['turn']} clocks: page {shown}, api {want}")
+
+
+def _wait_for_waterfall(dashboard, turns: int) -> None:
+    dashboard.wait("""([segments, n]) => {
+      const d = document.getElementById("chart-waterfall").data;
+      return Array.isArray(d) && d.length === segments && d.every((t) => t.y.length === n);
+    }""", "no waterfall with a bar per turn after the click", [len(SEGMENTS), turns])
+
+
+def test_a_turn_with_tool_calls_shows_them_on_the_waterfall_and_in_its_row(chromium, server,
+                                                                          tmp_path):
+    url, log = server
+    d = Dashboard(chromium, url, log, tmp_path / "dashboard-tools.png")
+    d.page.goto(f"{url}/dashboard")
+    d.page.select_option("#window", "604800")  # last 7 d
+    row = f'#calls tr[data-call-id="{TOOL_CALL_ID}"]'
+    d.wait(f"() => document.querySelector('{row}') !== null", "the tool call is not listed")
+    d.page.click(row)
+    _wait_for_waterfall(d, 2)
+    tools = d.page.evaluate("""() => document.getElementById("chart-waterfall").data
+      .filter((t) => t.name === "tools")
+      .map((t) => ({x: Array.from(t.x), text: t.text, hover: t.hovertext}))""")
+    d.expect(len(tools) == 1 and tools[0]["x"] == [3150.0, 0], f"tools segment: {tools}")
+    shown = ["lookup_order 612 ms · 87 chars", "get_weather 2500 ms · 41 chars (error)"]
+    d.expect(all(s in tools[0]["hover"][0] for s in shown), f"tools hover: {tools[0]['hover']}")
+    drawn = d.page.locator("#chart-waterfall .barlayer text").all_text_contents()
+    d.expect("lookup_order, get_weather" in drawn, f"bar texts drawn: {drawn}")
+    cells = d.page.eval_on_selector_all(
+        '#call-turns tr[data-turn] td.tools', """(tds) => tds.map((td) =>
+          [...td.querySelectorAll(".tool")].map((e) => [e.dataset.tool, e.textContent]))""")
+    d.expect(cells == [[["lookup_order", shown[0]], ["get_weather", shown[1]]], []],
+             f"the turns' tool cells: {cells}")
+    d.page.screenshot(path=str(d.shot), full_page=True)
+    print(f"\ndashboard screenshot with tool calls: {d.shot}")
+    d.page.context.close()
 
 
 def test_speculation_charts_plot_the_apis_histograms(dashboard):

@@ -4,6 +4,9 @@ from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     BotStoppedSpeakingFrame,
     EagerEndOfTurnCancelFrame,
+    FunctionCallCancelFrame,
+    FunctionCallInProgressFrame,
+    FunctionCallResultFrame,
     InterruptionFrame,
     LLMContextFrame,
     LLMTextFrame,
@@ -24,14 +27,14 @@ from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import TransportParams
 
-from voiceagent.pipeline.clocks import ClocksObserver
+from voiceagent.pipeline.clocks import ClocksObserver, merged_stats
 from voiceagent.pipeline.frames import PreparedResponseStartFrame
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
     HeldAudioMetricsData,
 )
-from voiceagent.pipeline.turn_record import Percentiles
+from voiceagent.pipeline.turn_record import Percentiles, ToolCall
 
 MS = 1_000_000  # ns
 
@@ -65,7 +68,8 @@ async def answered_turn(obs, t0=0):
     await push(obs, MetricsFrame(data=[ASRFinalMetricsData(
         processor="stt", final_ms=5.0, audio_ms=1500, reused_interim=True)]), t0 + 1505)
     await push(obs, TranscriptionFrame("what time is it", "user", "now"), t0 + 1505)
-    await push(obs, LLMContextFrame(LLMContext()), t0 + 1510, dst=LLM)
+    question = {"role": "user", "content": "what time is it"}
+    await push(obs, LLMContextFrame(LLMContext(messages=[question])), t0 + 1510, dst=LLM)
     await push(obs, LLMTextFrame("It is"), t0 + 1610, src=LLM)
     await push(obs, TTSStartedFrame(), t0 + 1700, src=TTS)
     await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1), t0 + 1900, src=TTS)
@@ -193,3 +197,170 @@ async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste()
     assert turn.llm_text == "It is"  # nothing of the withdrawn reply
     assert turn.clocks.request_to_first_token_ms == 100  # from the committed preparation
     assert turn.clocks.turn_end_to_first_audio_ms == 2310 - 1800
+
+
+# -- a tool turn: the first request calls a tool, a second one answers from its result -----------
+
+ORDER = {"order_id": "A17"}
+
+
+async def broadcast(obs, frame_cls, at_ms, **fields):
+    """As pipecat's LLMService.broadcast_frame: one frame each way, then each on its next hop."""
+    down, up = frame_cls(**fields), frame_cls(**fields)
+    await obs.on_push_frame(FramePushed(LLM, TTS, down, FrameDirection.DOWNSTREAM, at_ms * MS))
+    await obs.on_push_frame(FramePushed(LLM, OTHER, up, FrameDirection.UPSTREAM, (at_ms + 1) * MS))
+    await obs.on_push_frame(FramePushed(TTS, OUT, down, FrameDirection.DOWNSTREAM,
+                                        (at_ms + 2) * MS, first_push=False))
+
+
+def request_metrics(request_id, itl, tokens, by_pos):
+    stats = {"itl_ms": list(itl), "prefill_ms": 30.0, "method": "ngram",
+             "generated_tokens": tokens, "drafted_by_pos": list(by_pos), "k_history": [4]}
+    return MetricsFrame(data=[EngineStatsMetricsData(
+        processor="llm", request_id=request_id, interrupted=False, finish_reason="eos",
+        stats=stats)])
+
+
+def tool_result_context() -> LLMContextFrame:
+    return LLMContextFrame(LLMContext(messages=[
+        {"role": "user", "content": "where is my order"},
+        {"role": "assistant", "tool_calls": [{"id": "t1", "type": "function", "function": {
+            "name": "lookup_order", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "{}"},
+    ]))
+
+
+async def tool_call(obs, start_ms, result, call_id="t1", name="lookup_order"):
+    await broadcast(obs, FunctionCallInProgressFrame, start_ms, function_name=name,
+                    tool_call_id=call_id, arguments=ORDER)
+    if result is not None:
+        await broadcast(obs, FunctionCallResultFrame, start_ms + 500, function_name=name,
+                        tool_call_id=call_id, arguments=ORDER, result=result)
+
+
+async def tool_turn_until_the_tool(obs):
+    """The caller asks (speech ended at 1000); the first request (1510) calls a tool at 1600,
+    with no text, and its stats are in at 1605."""
+    await push(obs, VADUserStartedSpeakingFrame(), 0)
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 1500)
+    await push(obs, TranscriptionFrame("where is my order", "user", "now"), 1505)
+    await push(obs, LLMContextFrame(LLMContext()), 1510, dst=LLM)
+    await push(obs, request_metrics("r1", [10.0, 10.0], 3, [1, 1]), 1605)
+
+
+async def the_reply(obs, request_ms=2110):
+    await push(obs, tool_result_context(), request_ms, dst=LLM)
+    await push(obs, LLMTextFrame("It shipped"), request_ms + 90, src=LLM)
+    await push(obs, TTSStartedFrame(), request_ms + 140, src=TTS)
+    await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1), request_ms + 290, src=TTS)
+    await push(obs, BotStartedSpeakingFrame(), request_ms + 300, src=OUT)
+    await push(obs, request_metrics("r2", [50.0, 70.0], 4, [2]), request_ms + 390)
+    await push(obs, BotStoppedSpeakingFrame(), request_ms + 900, src=OUT)
+
+
+async def test_a_tool_turn_is_one_turn_with_its_tool_call_and_clocks_across_it():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await tool_turn_until_the_tool(obs)
+    await tool_call(obs, 1600, {"order_id": "A17", "status": "shipped"})
+    # A filler while the tool runs: heard, but it is not the reply.
+    await push(obs, TTSStartedFrame(), 1700, src=TTS)
+    await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1), 1750, src=TTS)
+    await push(obs, BotStartedSpeakingFrame(), 1760, src=OUT)
+    await push(obs, BotStoppedSpeakingFrame(), 2000, src=OUT)
+    assert records == []  # the first request ended, its stats are in, the filler played
+    await the_reply(obs)
+    [r] = records
+    result_chars = len('{"order_id": "A17", "status": "shipped"}')
+    assert r.tool_calls == [ToolCall("lookup_order", 500.0, result_chars, ok=True)]
+    assert r.llm_text == "It shipped"
+    assert r.clocks.request_to_first_token_ms == 2200 - 1510  # the first request: spans the tool
+    assert r.clocks.turn_end_to_first_audio_ms == 2410 - 1000  # the reply's audio, not the filler
+    b = r.breakdown
+    assert (b.tool_call_ms, b.tools_ms, b.first_token_ms) == (90, 2110 - 1600, 90)
+    assert (b.first_clause_ms, b.tts_first_chunk_ms, b.chunk_to_audio_ms) == (50, 150, 10)
+    assert b.filler_audio_ms == 760
+    # Both requests' stats: the tool call's generation counts too.
+    assert r.engine["itl_ms"] == [10.0, 10.0, 50.0, 70.0] and r.engine["generated_tokens"] == 7
+    assert r.engine["drafted_by_pos"] == [3, 1] and r.engine["request_id"] == "r2"
+    assert r.clocks.itl_ms.p50 == 30.0 and r.breakdown.prefill_ms == 30.0
+
+
+async def test_a_failed_tool_is_recorded_not_ok_and_turns_stay_apart():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await tool_turn_until_the_tool(obs)
+    await tool_call(obs, 1600, {"error": "lookup_order took longer than 5 s"})
+    await the_reply(obs)
+    await answered_turn(obs, t0=5000)  # the next question: a turn of its own, no tools
+    await push(obs, engine_metrics(), 7000)
+    await push(obs, BotStoppedSpeakingFrame(), 7500, src=OUT)
+    first, second = records
+    [call] = first.tool_calls
+    assert (call.ok, call.outcome, call.duration_ms) == (False, "error", 500)
+    assert second.tool_calls == [] and second.breakdown.tool_call_ms is None
+    assert second.clocks.request_to_first_token_ms == 100
+
+
+async def test_the_reply_to_a_tool_stays_on_its_turn_when_the_caller_speaks_meanwhile():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await tool_turn_until_the_tool(obs)
+    await tool_call(obs, 1600, {"status": "shipped"})
+    await push(obs, VADUserStartedSpeakingFrame(), 2050)  # "hm?", no interruption
+    await the_reply(obs)
+    [r] = records
+    assert r.clocks.request_to_first_token_ms == 690 and r.breakdown.tools_ms == 510
+
+
+async def test_a_tool_result_nobody_answers_leaves_the_next_question_its_own_turn():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await tool_turn_until_the_tool(obs)
+    await tool_call(obs, 1600, None)
+    await broadcast(obs, FunctionCallResultFrame, 2100, function_name="lookup_order",
+                    tool_call_id="t1", arguments=ORDER, result={"done": True}, run_llm=False)
+    await answered_turn(obs, t0=3000)  # its context ends with the caller's words
+    [tool_turn] = records
+    assert tool_turn.tool_calls[0].ok and tool_turn.clocks.request_to_first_token_ms is None
+    await push(obs, engine_metrics(), 5000)
+    await push(obs, BotStoppedSpeakingFrame(), 5500, src=OUT)
+    assert records[1].user_text == "what time is it"
+    assert records[1].clocks.request_to_first_token_ms == 100
+
+
+async def test_a_barge_in_during_a_tool_call_ends_the_turn_with_the_call_cancelled():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await tool_turn_until_the_tool(obs)
+    await tool_call(obs, 1600, None)
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 1900)
+    await push(obs, InterruptionFrame(), 1910)
+    await broadcast(obs, FunctionCallCancelFrame, 1920, function_name="lookup_order",
+                    tool_call_id="t1")
+    [r] = records
+    assert r.interrupted and r.clocks.turn_end_to_first_audio_ms is None
+    assert r.tool_calls == [ToolCall("lookup_order", 320.0, None, ok=False, cancelled=True)]
+    assert r.tool_calls[0].outcome == "cancelled"
+    # The caller's new question is the next turn, not the tool's reply.
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 3000)
+    await push(obs, TranscriptionFrame("never mind", "user", "now"), 3005)
+    await push(obs, LLMContextFrame(LLMContext(messages=[
+        {"role": "user", "content": "never mind"}])), 3010, dst=LLM)
+    await push(obs, LLMTextFrame("Sure"), 3100, src=LLM)
+    await push(obs, BotStartedSpeakingFrame(), 3300, src=OUT)
+    await push(obs, engine_metrics(), 3400)
+    await push(obs, BotStoppedSpeakingFrame(), 3600, src=OUT)
+    assert [t.user_text for t in records] == ["where is my order", "never mind"]
+    assert records[1].clocks.request_to_first_token_ms == 90
+
+
+def test_merged_stats_of_a_plain_engine_request_keep_the_derived_figures_right():
+    step = {"k": 2, "drafted": 2, "accepted": 1, "rejection_pos": 1, "committed": 2,
+            "draft_ms": 0.5, "verify_ms": 9.0}
+    one = {"method": "ngram", "steps": [step], "accept_len_hist": [0, 1]}
+    two = {"method": "ngram", "steps": [step, {**step, "accepted": 2, "rejection_pos": None}],
+           "accept_len_hist": [0, 1, 1]}
+    merged = merged_stats(one, two)
+    assert (merged["drafted"], merged["accepted"], merged["accept_len_hist"]) == (6, 4, [0, 2, 1])
+    assert merged["mean_accepted_per_step"] == 4 / 3

@@ -14,7 +14,7 @@ from tests.voiceagent.serving import server_config, serving, twilio_url
 from tests.voiceagent.turns import make_turn
 from voiceagent.dashboard.stats import overview
 from voiceagent.dashboard.store import CallInfo
-from voiceagent.pipeline.turn_record import Preparation
+from voiceagent.pipeline.turn_record import Breakdown, Preparation, ToolCall, TurnRecord
 from voiceagent.server.app import create_app
 from voiceagent.twilio_caller import TwilioCaller
 
@@ -184,3 +184,49 @@ async def test_metrics_count_prepared_replies_by_outcome_and_their_waste(tmp_pat
                                  (("method", "ngram"), ("outcome", o)))]
     assert (outcome("committed"), outcome("discarded")) == (2, 2)
     assert samples[("voiceagent_discarded_tokens_total", (("method", "ngram"),))] == 17
+
+
+def _tool_turn(call_id: str, turn: int) -> TurnRecord:
+    record = make_turn(call_id, turn)
+    record.breakdown = Breakdown(user_speech_ms=1500.0, transcript_to_request_ms=1.0,
+                                 tool_call_ms=180.0, tools_ms=640.0, first_token_ms=95.0)
+    record.tool_calls = [ToolCall("lookup_order", 612.5, 87, ok=True),
+                         ToolCall("lookup_order", 2500.0, 41, ok=False),
+                         ToolCall("get_weather", 300.0, None, ok=False, cancelled=True)]
+    return record
+
+
+async def test_a_call_shows_its_turns_tool_calls_and_reads_turns_from_before_them(tmp_path):
+    app = _app(tmp_path)
+    server = app.state.server
+    server.records.add(_tool_turn("c1", 1))
+    old = make_turn("c1", 2).to_dict()
+    del old["tool_calls"], old["breakdown"]["tools_ms"]  # stored before tool calls were
+    server.store.write(TurnRecord.from_dict(old))
+    server.store.flush()
+    async with _client(app) as http:
+        turns = (await http.get("/api/calls/c1")).json()["turns"]
+    first, second = (TurnRecord.from_dict(t) for t in turns)
+    assert [(c.name, c.duration_ms, c.result_chars, c.outcome) for c in first.tool_calls] == [
+        ("lookup_order", 612.5, 87, "ok"), ("lookup_order", 2500.0, 41, "error"),
+        ("get_weather", 300.0, None, "cancelled")]
+    assert (first.breakdown.tool_call_ms, first.breakdown.tools_ms) == (180.0, 640.0)
+    assert second.tool_calls == [] and second.breakdown.tools_ms is None
+    assert TurnRecord.from_dict(old).tool_calls == []
+
+
+async def test_metrics_count_tool_calls_by_tool_and_outcome_and_time_them(tmp_path):
+    app = _app(tmp_path)
+    for turn in (1, 2):
+        app.state.server.records.add(_tool_turn("c1", turn))
+    async with _client(app) as http:
+        samples = _samples((await http.get("/metrics")).text)
+    calls = {labels: v for (name, labels), v in samples.items()
+             if name == "voiceagent_tool_calls_total"}
+    assert calls == {(("outcome", "ok"), ("tool", "lookup_order")): 2,
+                     (("outcome", "error"), ("tool", "lookup_order")): 2,
+                     (("outcome", "cancelled"), ("tool", "get_weather")): 2}
+    seconds = ("voiceagent_tool_call_seconds_sum", (("tool", "lookup_order"),))
+    assert samples[seconds] == pytest.approx(2 * (0.6125 + 2.5))
+    assert samples[("voiceagent_tool_call_seconds_count", (("tool", "lookup_order"),))] == 4
+    assert ("voiceagent_tool_call_seconds_count", (("tool", "get_weather"),)) not in samples

@@ -9,6 +9,13 @@
 All times are the pipeline clock of `FramePushed.timestamp` (ns since the task started), so the
 observer's own scheduling delay never enters a measurement.
 
+A tool turn (the LLM calls tools, and a second request answers from their results) is one turn,
+with both requests' engine stats merged (`merged_stats`). Its clock 1 runs from the turn's first
+request to the first token of speech, and clock 3 to the reply's first audio: both span the tool
+calls, since the caller waits through them. A filler spoken while a slow tool runs stops neither
+(it is `breakdown.filler_audio_ms`); the breakdown splits the wait into the LLM choosing the tools,
+the tools, and the answering request to its first token, and `tool_calls` has each call.
+
 Early preparation: a reply prepared at the caller's pause belongs to the turn still being heard;
 if the turn is confirmed (UserStoppedSpeakingFrame) it becomes the answer, and clock 1 counts
 from the preparation's request. A withdrawn one (EagerEndOfTurnCancelFrame) leaves only its
@@ -17,6 +24,8 @@ waste on the turn: the tokens generated and the audio synthesised for nobody.
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +34,9 @@ from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     BotStoppedSpeakingFrame,
     EagerEndOfTurnCancelFrame,
+    FunctionCallCancelFrame,
+    FunctionCallInProgressFrame,
+    FunctionCallResultFrame,
     InputDTMFFrame,
     InterruptionFrame,
     LLMContextFrame,
@@ -44,6 +56,7 @@ from pipecat.services.llm_service import LLMService
 from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 
+from llm_engine.stats import RequestStats
 from voiceagent.pipeline.frames import audio_seconds
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
@@ -55,8 +68,29 @@ from voiceagent.pipeline.turn_record import (
     Clocks,
     Percentiles,
     Preparation,
+    ToolCall,
     TurnRecord,
 )
+
+
+@dataclass
+class _ToolRun:
+    name: str
+    started_ns: int
+    ended_ns: int | None = None  # its final result, or its cancellation
+    result_chars: int | None = None
+    ok: bool = False
+
+    def finish(self, ts: int, frame: FunctionCallResultFrame) -> None:
+        self.ended_ns = ts
+        # As the assistant aggregator writes it into the context.
+        self.result_chars = len(json.dumps(frame.result, ensure_ascii=False, default=str))
+        failed = isinstance(frame.result, dict) and "error" in frame.result
+        self.ok = frame.error is None and not failed
+
+    def record(self) -> ToolCall:
+        return ToolCall(self.name, _ms(self.started_ns, self.ended_ns), self.result_chars,
+                        self.ok, cancelled=self.result_chars is None)
 
 
 @dataclass
@@ -69,7 +103,13 @@ class _Turn:
     hangover_s: float = 0.0
     transcript_ns: int | None = None
     asr_final_ms: float | None = None
-    request_ns: int | None = None
+    request_ns: int | None = None  # the turn's first request: clock 1 starts there
+    latest_request_ns: int | None = None
+    reply_ns: int | None = None  # the request answering tool results, if its text came first
+    requests: int = 0
+    reported: int = 0  # requests whose engine stats are in
+    tool_calls: dict[str, _ToolRun] = field(default_factory=dict)  # by tool_call_id
+    filler_audio_ns: int | None = None
     first_token_ns: int | None = None
     llm_text: list[str] = field(default_factory=list)
     tts_started_ns: int | None = None
@@ -88,13 +128,31 @@ class _Turn:
     def drop_reply(self) -> None:
         """Forget a withdrawn prepared reply: the turn is being heard again."""
         self.request_ns = self.first_token_ns = self.prepared_ns = None
+        self.latest_request_ns = self.reply_ns = None
         self.tts_started_ns = self.tts_first_chunk_ns = None
         self.llm_text, self.engine, self.audio_s = [], {}, 0.0
+        self.requests = self.reported = 0
+        self.tool_calls = {}
+
+    def request(self, ts: int) -> None:
+        """A request for this turn's reply went out."""
+        self.latest_request_ns = ts
+        self.requests += 1
+
+    @property
+    def tools_pending(self) -> bool:
+        """A tool call runs, or ended after the latest request: its result awaits a request."""
+        latest = self.latest_request_ns or 0
+        return any(run.ended_ns is None or run.ended_ns > latest
+                   for run in self.tool_calls.values())
 
     @property
     def complete(self) -> bool:
-        """The LLM finished and the bot's audio has stopped."""
-        return bool(self.engine) and not self.speaking and (
+        """The LLM finished and the bot's audio has stopped; after tool calls, the LLM's reply to
+        their results too (unless the caller cut the turn short)."""
+        waiting = self.interrupted_ns is None and bool(self.tool_calls) and (
+            self.tools_pending or self.reported < self.requests)
+        return bool(self.engine) and not self.speaking and not waiting and (
             self.first_audio_ns is not None or self.interrupted_ns is not None
         )
 
@@ -107,6 +165,44 @@ class _Turn:
 
 def _ms(a: int | None, b: int | None) -> float | None:
     return None if a is None or b is None else (b - a) / 1e6
+
+
+_TOOL_FRAMES = (FunctionCallInProgressFrame, FunctionCallResultFrame, FunctionCallCancelFrame)
+
+
+def _ends_with_tool_result(messages: list) -> bool:
+    """A context the assistant aggregator pushed with a tool's result, for the LLM to answer."""
+    last = messages[-1] if messages else None
+    return isinstance(last, dict) and last.get("role") == "tool"
+
+
+def _tool_segments(turn: _Turn) -> tuple[float | None, float | None]:
+    """Breakdown.tool_call_ms and tools_ms: only for tools that ran before the first token of
+    speech, on the way to the first audio."""
+    starts = [run.started_ns for run in turn.tool_calls.values()]
+    if not starts or (turn.first_token_ns is not None and turn.first_token_ns < min(starts)):
+        return None, None
+    return _ms(turn.request_ns, min(starts)), _ms(min(starts), turn.reply_ns)
+
+
+def merged_stats(earlier: dict, later: dict) -> dict:
+    """Two engine requests of one turn (a tool call, then the reply) as one turn's stats.
+
+    The per-token and per-step lists are joined and the counts added, so the turn's ITL and
+    speculation figures cover the tool call's generation too; the times from a request's start
+    (prefill, first token, token times, total) and its outcome stay the later request's: the one
+    that spoke."""
+    a, b = (RequestStats.from_dict({"method": "unknown", **s}) for s in (earlier, later))
+    for name in ("itl_ms", "steps", "k_history"):
+        setattr(b, name, getattr(a, name) + getattr(b, name))
+    for name in ("prompt_tokens", "prefill_tokens", "reused_prefix_tokens", "generated_tokens"):
+        setattr(b, name, getattr(a, name) + getattr(b, name))
+    for name in ("drafted_by_pos", "accepted_by_pos", "accept_len_hist"):
+        x, y = getattr(a, name), getattr(b, name)
+        setattr(b, name, [sum(pair) for pair in itertools.zip_longest(x, y, fillvalue=0)])
+    b.gated_off = a.gated_off or b.gated_off
+    return {**b.to_dict(), "request_id": later.get("request_id"),
+            "interrupted": later.get("interrupted")}
 
 
 class ClocksObserver(BaseObserver):
@@ -142,7 +238,7 @@ class ClocksObserver(BaseObserver):
                 if frame.speculation:
                     self._prepare(ts, frame.context.get_messages())
                 else:
-                    self._request(ts)
+                    self._request(ts, frame.context.get_messages())
             return
         if isinstance(frame, TTSTextFrame):  # spoken words: when the transport plays them
             if isinstance(src, BaseOutputTransport) and self._answering is not None:
@@ -179,6 +275,9 @@ class ClocksObserver(BaseObserver):
             self._discard()
         elif isinstance(frame, UserStoppedSpeakingFrame):
             self._commit()
+        elif isinstance(frame, _TOOL_FRAMES):
+            if isinstance(src, LLMService):  # where the calls run, not a hop on their way
+                self._tool_frame(frame, ts)
         elif isinstance(src, (LLMService, TTSService)) and self._from_withdrawn(frame, src):
             return
         elif self._preparing is not None and isinstance(src, (LLMService, TTSService)):
@@ -192,6 +291,7 @@ class ClocksObserver(BaseObserver):
             return
         turn.drop_reply()
         turn.request_ns = turn.prepared_ns = ts
+        turn.request(ts)
         turn.preparation.prepared += 1
         last = messages[-1] if messages else {}
         turn.preparation.prepared_text = last.get("content") if isinstance(last, dict) else None
@@ -225,19 +325,49 @@ class ClocksObserver(BaseObserver):
         self._answering, self._listening = turn, None
         self._emit_if_complete()
 
-    def _request(self, ts: int) -> None:
+    def _request(self, ts: int, messages: list) -> None:
+        answering = self._answering
+        if answering is not None and answering.tools_pending and (
+                self._listening is None or _ends_with_tool_result(messages)):
+            # The reply to the tool results: still this turn, even if the caller has started
+            # speaking meanwhile (their turn's context would end with their words).
+            answering.reply_ns = ts if answering.first_token_ns is None else answering.reply_ns
+            answering.request(ts)
+            return
         self._preparing = None
         turn = self._listening
         if turn is None:  # a context without a new user turn (e.g. a re-run): keep answering
-            if self._answering is not None:
-                self._answering.request_ns = ts
+            if answering is not None:
+                answering.request_ns = ts
+                answering.request(ts)
             return
-        if self._answering is not None:
-            self._emit(self._answering)
+        if answering is not None:
+            self._emit(answering)
         turn.request_ns = ts
+        turn.request(ts)
         self._answering, self._listening = turn, None
 
+    def _tool_frame(self, frame, ts: int) -> None:
+        """A tool call starts (on the turn the LLM replies for), ends, or is cancelled. The LLM
+        broadcasts each frame both ways: the call's id counts it once."""
+        if isinstance(frame, FunctionCallInProgressFrame):
+            if (turn := self._preparing or self._answering) is not None:
+                turn.tool_calls.setdefault(frame.tool_call_id, _ToolRun(frame.function_name, ts))
+            return
+        turns = (t for t in (self._answering, self._preparing) if t is not None)
+        run = next((t.tool_calls[frame.tool_call_id] for t in turns
+                    if frame.tool_call_id in t.tool_calls), None)
+        if run is None or run.ended_ns is not None:
+            return
+        if isinstance(frame, FunctionCallCancelFrame):
+            run.ended_ns = ts
+            self._emit_if_complete()
+        elif frame.properties is None or frame.properties.is_final:  # not a progress update
+            run.finish(ts, frame)
+
     def _reply_frame(self, turn: _Turn, frame, src, ts: int) -> None:
+        if turn.tool_calls and turn.first_token_ns is None and self._filler(turn, frame, src, ts):
+            return
         if isinstance(frame, LLMTextFrame) and isinstance(src, LLMService):
             turn.first_token_ns = turn.first_token_ns or ts
             turn.llm_text.append(frame.text)
@@ -258,6 +388,17 @@ class ClocksObserver(BaseObserver):
             if not turn.complete:
                 turn.interrupted_ns = ts
 
+    @staticmethod
+    def _filler(turn: _Turn, frame, src, ts: int) -> bool:
+        """Whether `frame` is of a filler spoken while the tools run, before the reply has a token:
+        it starts neither the reply's TTS clocks nor its audio (clock 3)."""
+        if isinstance(frame, BotStartedSpeakingFrame) and isinstance(src, BaseOutputTransport):
+            turn.speaking = True
+            turn.filler_audio_ns = turn.filler_audio_ns or ts
+            return True
+        return isinstance(frame, (TTSStartedFrame, TTSAudioRawFrame)) and isinstance(
+            src, TTSService)
+
     def _metrics(self, frame: MetricsFrame) -> None:
         for item in frame.data:
             if isinstance(item, EngineStatsMetricsData) and item.discarded:
@@ -267,9 +408,13 @@ class ClocksObserver(BaseObserver):
                 # A prepared reply may finish generating before its turn is confirmed.
                 turn = self._preparing if item.prepared and self._preparing else self._answering
                 if turn is not None:
-                    turn.engine = dict(
+                    stats = dict(
                         item.stats, request_id=item.request_id, interrupted=item.interrupted
                     )
+                    # A tool turn's requests are one turn's work.
+                    merge = turn.engine and turn.tool_calls
+                    turn.engine = merged_stats(turn.engine, stats) if merge else stats
+                    turn.reported += 1
                     self._emit_if_complete()
             elif isinstance(item, HeldAudioMetricsData):
                 if (turn := self._listening or self._answering) is not None:
@@ -298,6 +443,7 @@ class ClocksObserver(BaseObserver):
             preparation.lead_ms = _ms(turn.prepared_ns, turn.vad_stop_ns)
         preparation.answer_tokens = engine.get("generated_tokens", 0)
         preparation.answer_audio_ms = turn.audio_s * 1000
+        tool_call_ms, tools_ms = _tool_segments(turn)
         record = TurnRecord(
             call_id=self.call_id,
             turn=self._count,
@@ -316,11 +462,14 @@ class ClocksObserver(BaseObserver):
                 vad_hangover_ms=turn.hangover_s * 1000 if turn.vad_stop_ns else None,
                 asr_final_ms=turn.asr_final_ms,
                 transcript_to_request_ms=_ms(turn.transcript_ns, turn.request_ns),
+                tool_call_ms=tool_call_ms,
+                tools_ms=tools_ms,
                 prefill_ms=engine.get("prefill_ms"),
-                first_token_ms=_ms(turn.request_ns, turn.first_token_ns),
+                first_token_ms=_ms(turn.reply_ns or turn.request_ns, turn.first_token_ns),
                 first_clause_ms=_ms(turn.first_token_ns, turn.tts_started_ns),
                 tts_first_chunk_ms=_ms(turn.tts_started_ns, turn.tts_first_chunk_ns),
                 chunk_to_audio_ms=_ms(turn.tts_first_chunk_ns, turn.first_audio_ns),
+                filler_audio_ms=_ms(turn.turn_end_ns, turn.filler_audio_ns),
             ),
             engine=engine,
             barge_in_to_silence_ms=(
@@ -328,5 +477,6 @@ class ClocksObserver(BaseObserver):
             ),
             interruption_to_silence_ms=_ms(turn.interrupted_ns, turn.audio_stopped_ns),
             preparation=preparation,
+            tool_calls=[run.record() for run in turn.tool_calls.values()],
         )
         self._on_turn(record)

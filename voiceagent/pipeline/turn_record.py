@@ -43,11 +43,34 @@ class Breakdown:
     vad_hangover_ms: float | None = None
     asr_final_ms: float | None = None  # VAD stop -> final transcript
     transcript_to_request_ms: float | None = None
+    # A turn whose tools ran before its reply's first token (None otherwise): the request ->
+    # the first tool call started (the LLM choosing it), and that start -> the request that
+    # answers from the results (the tools, and any further round of them).
+    tool_call_ms: float | None = None
+    tools_ms: float | None = None
     prefill_ms: float | None = None
-    first_token_ms: float | None = None  # request -> first token
+    first_token_ms: float | None = None  # the request that replied -> its first token
     first_clause_ms: float | None = None  # first token -> first phrase to the TTS
     tts_first_chunk_ms: float | None = None
     chunk_to_audio_ms: float | None = None
+    # Not a segment: the turn end -> a filler's first audio ("one moment") spoken while a slow
+    # tool ran, before the reply's audio that clock 3 waits for.
+    filler_audio_ms: float | None = None
+
+
+@dataclass
+class ToolCall:
+    """One tool the LLM called in a turn."""
+
+    name: str
+    duration_ms: float | None  # in progress -> its result (or its cancellation), pipeline clock
+    result_chars: int | None  # the result as it enters the context (JSON); None without one
+    ok: bool  # a result, and not an {"error": ...} one
+    cancelled: bool = False  # no result: cancelled (a barge-in), or the turn ended first
+
+    @property
+    def outcome(self) -> str:
+        return "ok" if self.ok else "cancelled" if self.cancelled else "error"
 
 
 @dataclass
@@ -81,13 +104,15 @@ class TurnRecord:
     clocks: Clocks = field(default_factory=Clocks)
     breakdown: Breakdown = field(default_factory=Breakdown)
     # The engine's llm_engine.stats.RequestStats.to_dict() for this turn's request, with its
-    # request_id and whether it was interrupted; {} when no request answered.
+    # request_id and whether it was interrupted; {} when no request answered. A turn of several
+    # requests (a tool call, then the reply) has them merged (clocks.merged_stats).
     engine: dict = field(default_factory=dict)
     # Barge-in: the caller started speaking over the reply (VAD start minus its start_secs)
     # -> the bot's audio stopped; and the part after pipecat's InterruptionFrame.
     barge_in_to_silence_ms: float | None = None
     interruption_to_silence_ms: float | None = None
     preparation: Preparation = field(default_factory=Preparation)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # in the order they started
 
     @property
     def method(self) -> str:
@@ -110,6 +135,7 @@ class TurnRecord:
             "breakdown": Breakdown(**_known(Breakdown, data.get("breakdown") or {})),
             "engine": dict(data.get("engine") or {}),
             "preparation": Preparation(**_known(Preparation, data.get("preparation") or {})),
+            "tool_calls": [ToolCall(**_known(ToolCall, c)) for c in data.get("tool_calls") or []],
         })
 
 

@@ -24,6 +24,8 @@ const SEGMENTS = [
   ["vad_hangover_ms", "VAD hangover", "#8c959f"],
   ["asr_final_ms", "ASR final", "#54aeff"],
   ["transcript_to_request_ms", "transcript → request", "#b392f0"],
+  ["tool_call_ms", "LLM → tool call", "#6639ba"],
+  ["tools_ms", "tools", "#1b7c83"],
   ["first_token_ms", "first token", "#d1570b"],
   ["first_clause_ms", "first clause", "#f0b72f"],
   ["tts_first_chunk_ms", "TTS first chunk", "#2da44e"],
@@ -364,11 +366,38 @@ function renderSpeculation(spec) {
   })), layout(`K per step (last ${K_TURNS} turns)`, "step", "K", { showlegend: false }));
 }
 
+// A turn's tool calls (records from before tools have none).
+function toolCalls(t) {
+  return t.tool_calls || [];
+}
+
+// One tool call as the page shows it: name, duration, result size, and how it ended.
+function fmtTool(c) {
+  const ms = isNum(c.duration_ms) ? `${Math.round(c.duration_ms)} ms` : "– ms";
+  const size = isNum(c.result_chars) ? `${c.result_chars} chars` : "no result";
+  const how = c.ok ? "" : c.cancelled ? " (cancelled)" : " (error)";
+  return `${c.name} ${ms} · ${size}${how}`;
+}
+
+// What a segment's hover says beyond its own milliseconds.
+function segmentDetail(key, t) {
+  if (key === "first_token_ms") {
+    const prefill = get(t, "breakdown.prefill_ms");
+    return `<br>prefill inside it: ${isNum(prefill) ? `${Math.round(prefill)} ms` : "–"}`;
+  }
+  if (key === "tools_ms") {
+    const filler = get(t, "breakdown.filler_audio_ms");
+    return toolCalls(t).map((c) => `<br>${fmtTool(c)}`).join("") +
+      (isNum(filler) ? `<br>filler heard ${Math.round(filler)} ms after the turn end` : "");
+  }
+  return "";
+}
+
 function renderWaterfall(turns) {
   const labels = turns.map((t) => `turn ${t.turn}${t.interrupted ? " ✂" : ""}`);
   const traces = SEGMENTS.map(([key, name, colour]) => {
     const values = turns.map((t) => get(t, `breakdown.${key}`));
-    return {
+    const trace = {
       type: "bar",
       orientation: "h",
       name,
@@ -377,15 +406,19 @@ function renderWaterfall(turns) {
       marker: { color: colour },
       hovertext: turns.map((t, i) => {
         const v = values[i];
-        let text = `${name}: ${isNum(v) ? `${Math.round(v)} ms` : "not measured"}`;
-        if (key === "first_token_ms") {
-          const prefill = get(t, "breakdown.prefill_ms");
-          text += `<br>prefill inside it: ${isNum(prefill) ? `${Math.round(prefill)} ms` : "–"}`;
-        }
-        return text;
+        const text = `${name}: ${isNum(v) ? `${Math.round(v)} ms` : "not measured"}`;
+        return text + segmentDetail(key, t);
       }),
       hovertemplate: "%{y}<br>%{hovertext}<extra></extra>",
     };
+    if (key === "tools_ms") {
+      // The calls' names on their segment; the hover and the table below have the rest.
+      trace.text = turns.map((t) => toolCalls(t).map((c) => c.name).join(", "));
+      trace.textposition = "inside";
+      trace.insidetextanchor = "middle";
+      trace.textfont = { color: "#fff" };
+    }
+    return trace;
   });
   const lay = layout("", "ms from the caller starting to speak", "", {
     barmode: "stack",
@@ -489,10 +522,22 @@ function transcriptCell(text, stored) {
   return el("td", { class: text ? "text" : "text missing", text: text || "–" });
 }
 
+function toolsCell(t) {
+  const calls = toolCalls(t);
+  if (!calls.length) return el("td", { class: "tools missing", text: "–" });
+  return el("td", { class: "tools" }, ...calls.map((c) => el("div", {
+    class: c.ok ? "tool" : "tool failed",
+    "data-tool": c.name,
+    "data-duration-ms": JSON.stringify(isNum(c.duration_ms) ? c.duration_ms : null),
+    "data-result-chars": JSON.stringify(isNum(c.result_chars) ? c.result_chars : null),
+    text: fmtTool(c),
+  })));
+}
+
 function renderCallTurns(turns) {
   const body = $("call-turns").querySelector("tbody");
   if (!turns.length) {
-    body.replaceChildren(el("tr", {}, el("td", { colspan: 6, class: "empty", text: "no turns" })));
+    body.replaceChildren(el("tr", {}, el("td", { colspan: 7, class: "empty", text: "no turns" })));
     return;
   }
   body.replaceChildren(...turns.map((t) => {
@@ -504,6 +549,7 @@ function renderCallTurns(turns) {
         t.interrupted ? el("span", { class: "badge", text: "interrupted" }) : null),
       transcriptCell(t.user_text, stored),
       transcriptCell(t.bot_text, stored),
+      toolsCell(t),
       metric("td", "request_to_first_token_ms", c.request_to_first_token_ms, "ms"),
       metric("td", "itl_ms.p50", get(c, "itl_ms.p50"), "ms"),
       metric("td", "turn_end_to_first_audio_ms", c.turn_end_to_first_audio_ms, "ms"));
