@@ -22,7 +22,9 @@ class GrammarSpec:
     `<tool_call>{"name": "<a tool's name>", "arguments": {...}}</tool_call>` whose arguments
     follow that tool's parameters; `tools` are OpenAI-style function schemas,
     `{"type": "function", "function": {"name": ..., "parameters": {...}}}` (or the inner dict).
-    tool_choice "required": no free text, the output is one call.
+    tool_choice "required": no free text, the output is one call. "none": free text that never
+    starts a call (the tools are in the prompt, but the reply must answer in words), nor holds
+    any of `exclude` (a voice reply excludes markup, which a small model copies from the calls).
     """
 
     __pydantic_config__ = STRICT
@@ -30,7 +32,8 @@ class GrammarSpec:
     kind: Literal["json_schema", "tools"]
     json_schema: dict | None = None
     tools: list[dict] = field(default_factory=list)
-    tool_choice: Literal["auto", "required"] = "auto"
+    tool_choice: Literal["auto", "required", "none"] = "auto"
+    exclude: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.kind == "json_schema" and self.json_schema is None:

@@ -34,6 +34,7 @@ from collections.abc import Collection
 import torch
 import xgrammar as xgr
 from xgrammar.structural_tag import (
+    AnyTextFormat,
     GrammarFormat,
     OrFormat,
     StructuralTag,
@@ -131,6 +132,8 @@ def _tools_tag(spec: GrammarSpec) -> StructuralTag:
         begin = f'{TOOL_CALL_BEGIN}{{"name": {json.dumps(function["name"])}, "arguments": '
         tags.append(TagFormat(begin=begin, content=GrammarFormat(grammar=_canonical_json(params)),
                               end="}" + TOOL_CALL_END))
+    if spec.tool_choice == "none":
+        return StructuralTag(format=AnyTextFormat(excludes=[TOOL_CALL_BEGIN, *spec.exclude]))
     if spec.tool_choice == "required":
         return StructuralTag(format=OrFormat(elements=tags))
     return StructuralTag(format=TriggeredTagsFormat(
@@ -138,7 +141,8 @@ def _tools_tag(spec: GrammarSpec) -> StructuralTag:
 
 
 def _key(spec: GrammarSpec) -> str:
-    return json.dumps([spec.kind, spec.json_schema, spec.tools, spec.tool_choice], sort_keys=True)
+    return json.dumps([spec.kind, spec.json_schema, spec.tools, spec.tool_choice, spec.exclude],
+                      sort_keys=True)
 
 
 class GrammarCache:

@@ -9,7 +9,9 @@ METHOD is NAME, so in-process and remote engines, speculation off and on, run in
 scripted call runs once per variant, variants interleaved call by call, so machine noise falls on
 all. Reported per variant: turn end -> first audio (clock 3) p50/p95, request -> first token
 (clock 1), ITL (clock 2) p50, barge-in -> bot silent, the median breakdown, and preparation:
-committed and discarded replies and the wasted work as a share of the work that answered.
+committed and discarded replies and the wasted work as a share of the work that answered; and
+the turns that called a tool: turn end -> first audio of the spoken result, and how many were
+heard within 1 s.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import yaml
 
 from audio.loaders import load_piper
 from audio.synth import silence, synthesize
-from voiceagent.bench_report import save_results, utc_stamp
+from voiceagent.bench_report import percentile, save_results, utc_stamp
 from voiceagent.call import RATE, simulate_call
 from voiceagent.config import REPO_ROOT, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
@@ -34,7 +36,8 @@ from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.urls import redact
 
-DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v2.yaml"
+DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v3.yaml"
+TOOL_TURN_GOAL_MS = 1000.0  # a tool's spoken result this soon after the turn end
 DEFAULT_VARIANTS = "off,ngram,off+prepare,ngram+prepare"
 FEATURES = ("prepare", "smart_turn")
 
@@ -84,6 +87,32 @@ def _f(x) -> str:
 
 def _share(x) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def tool_turns(turns: list[dict]) -> dict:
+    """The turns that called a tool: clock 3 (turn end -> the spoken result's first audio),
+    the tools' own time, and how many results were heard within TOOL_TURN_GOAL_MS."""
+    called = [t for t in turns if t.get("tool_calls") and not t.get("interrupted")]
+    c3 = [t["clocks"]["turn_end_to_first_audio_ms"] for t in called
+          if t["clocks"]["turn_end_to_first_audio_ms"] is not None]
+    tools = [c["duration_ms"] for t in called for c in t["tool_calls"]
+             if c.get("duration_ms") is not None]
+    return {"turns": len(called), "calls": sum(len(t["tool_calls"]) for t in called),
+            "failed": sum(not c["ok"] for t in called for c in t["tool_calls"]),
+            "c3_p50": percentile(c3, 50), "c3_p95": percentile(c3, 95),
+            "tool_ms_p50": percentile(tools, 50),
+            "within_goal": sum(v <= TOOL_TURN_GOAL_MS for v in c3)}
+
+
+def render_tool_turns(by_mode: dict[str, dict]) -> str:
+    lines = ["Turns that called a tool (clock 3 ends at the spoken result's first audio):", "",
+             "| mode | tool turns | calls (failed) | turn end→result audio p50 / p95 ms | "
+             "tool ms p50 | within 1 s |", "|---|--:|--:|--:|--:|--:|"]
+    for mode, s in by_mode.items():
+        lines.append(f"| {mode} | {s['turns']} | {s['calls']} ({s['failed']}) | "
+                     f"{_f(s['c3_p50'])} / {_f(s['c3_p95'])} | {_f(s['tool_ms_p50'])} | "
+                     f"{s['within_goal']} of {s['turns']} |")
+    return "\n".join(lines)
 
 
 def render(summary: dict[str, dict]) -> str:
@@ -210,6 +239,7 @@ def run_call_bench(cfg: Config, args) -> int:
         return 2
     turns, remote_spec = asyncio.run(_run(cfg, script, variants, args.repeats, remotes))
     summary = {m: summarise(t) for m, t in turns.items()}
+    tools = {m: tool_turns(t) for m, t in turns.items()}
     stamp = utc_stamp()
     header = (f"# Call benchmark\n\n- {stamp}, script {script_path.name} v{script.get('version')},"
               f" modes {', '.join(modes)}, {args.repeats} repeat(s), target "
@@ -217,7 +247,8 @@ def run_call_bench(cfg: Config, args) -> int:
     for name, chat in remotes.items():
         header += f"- {name}: `{chat.model}` on {redact(chat.cfg.base_url)}; {remote_spec[name]}\n"
     header += "\n"
-    markdown = header + render(summary) + "\n"
+    markdown = header + render(summary) + "\n\n" + render_tool_turns(tools) + "\n"
     save_results(args.out, "call", stamp, markdown,
-                 {"summary": summary, "turns": turns, "config": cfg.model_dump(mode="json")})
+                 {"summary": summary, "tool_turns": tools, "turns": turns,
+                  "config": cfg.model_dump(mode="json")})
     return 0

@@ -489,12 +489,6 @@ def _formats(args, cfg: Config) -> list[str]:
     return ["float32", "bfloat16"] if on_cpu and not args.quick else []
 
 
-def drafting_methods(modes: list[str]) -> list[str]:
-    """The modes and a combined mode's inner method ("grammar+draft": draft), which is what
-    build_runtime reads to decide which drafters to load."""
-    return [*modes, *(mode.rpartition("+")[2] for mode in modes)]
-
-
 def run_engine_bench(cfg: Config, args) -> int:
     from voiceagent.llm_setup import build_runtime
 
@@ -515,7 +509,7 @@ def run_engine_bench(cfg: Config, args) -> int:
         settings.anchor_model = anchor[1]
         say(f"anchor: {settings.anchor_url}, model {anchor[1]}")
     started, load_at_start = datetime.now(timezone.utc), os.getloadavg()[0]
-    drafters = drafting_methods(settings.modes)
+    drafters = settings.modes
     runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=drafters)
     chosen = runtime.target.dtype
     others = {

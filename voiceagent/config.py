@@ -98,8 +98,11 @@ class AgentConfig(BaseModel):
     # Tool entries (voiceagent.tools: a module path with a TOOLS list, or one mapping).
     tools: list[str | dict[str, Any]] = []
     tool_timeout_s: float = Field(5.0, gt=0)  # longer, and the tool's result is an error
+    max_tool_calls: int = Field(1, ge=1)  # per caller turn; then the reply must be words
     tool_filler_after_s: float = Field(1.0, ge=0)  # a tool still running then: say the filler
     tool_filler: str = "One moment, please."
+    # Said after a tool that ends the call, which then hangs up; "": the model says its own.
+    goodbye: str = "Thank you for calling. Goodbye!"
 
 
 class StoreConfig(BaseModel):

@@ -121,7 +121,15 @@ def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
     _timed(report, "asr", asr, say)
     _timed(report, "tts", tts, say)
     _timed(report, "vad", vad, say)
+    _timed(report, "tools", lambda: tools(cfg), say)
     return report
+
+
+def tools(cfg: Config) -> str:
+    from voiceagent.tools import load_tools
+
+    loaded = load_tools(cfg.agent.tools)
+    return ", ".join(t.name for t in loaded) if loaded else "none configured"
 
 
 def _pair_card(report: Report, cfg: Config, loaded: dict, say: Callable[[str], None]) -> None:

@@ -20,6 +20,7 @@ from llm_engine.formats import FormatResult
 from llm_engine.loading import LoadedModel, load_causal_lm, model_bytes
 from llm_engine.pair_card import PairCard
 from llm_engine.prompts import encode_chat
+from llm_engine.proposers import model_setting
 from llm_engine.runner import EagerRunner, TargetRunner
 from llm_engine.serving import AsyncEngine
 from voiceagent.models import resolve
@@ -129,7 +130,8 @@ def build_runtime(
     """
     if engine_cfg.threads > 0:
         torch.set_num_threads(engine_cfg.threads)
-    methods = {engine_cfg.speculation.method, *also}
+    # The models the methods draft with ("grammar+draft" drafts with the draft model).
+    methods = {model_setting(m) for m in {engine_cfg.speculation.method, *also}}
     measurements = CostModelCache(Path(cache_dir).expanduser() / "cost")
     target = load_llm(engine_cfg.target, engine_cfg, cache_dir, progress)
     format_results: list[FormatResult] = []
@@ -138,7 +140,8 @@ def build_runtime(
     draft = load_draft(engine_cfg, target, cache_dir, progress) if "draft" in methods else None
     eagle = load_eagle(engine_cfg, target, progress) if "eagle" in methods else None
     draft, eagle = (_in_format(d, target) for d in (draft, eagle))
-    drafter, other = (eagle, draft) if engine_cfg.speculation.method == "eagle" else (draft, eagle)
+    eagle_first = model_setting(engine_cfg.speculation.method) == "eagle"
+    drafter, other = (eagle, draft) if eagle_first else (draft, eagle)
     card = make_pair_card(target, drafter, engine_cfg, resident_bytes(target, draft, eagle))
     if other is not None:
         compatibility(target, other)  # a benchmark's other draft is checked too

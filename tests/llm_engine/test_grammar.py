@@ -228,3 +228,13 @@ def test_constrained_output_is_always_schema_valid(
     assert EOS not in tokens[:-1]
     cache.new_state(spec, 8).commit(0, tokens)  # raises unless a fresh matcher accepts them all
     assert_valid(spec, decode(tokenizer, tokens), state.finish_reason)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tool_choice_none_answers_in_text_without_a_call_or_the_excluded(
+        engines, tokenizer, seed):
+    spec = GrammarSpec(kind="tools", tools=[ORDER], tool_choice="none", exclude=["{", "<"])
+    sampling = SamplingConfig(temperature=3.0, seed=seed, max_new_tokens=48, grammar=spec)
+    tokens, _ = run(engines["grammar+ngram"], tokenizer.encode("lookup"), sampling)
+    text = decode(tokenizer, tokens)
+    assert text and not set(text) & {"{", "<"}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from voiceagent.bench_call import Variant, parse_backends
+from voiceagent.bench_call import Variant, parse_backends, render_tool_turns, tool_turns
 from voiceagent.config import ConfigError, load_config
 
 
@@ -36,3 +36,21 @@ def test_backends_are_named_urls_and_a_bad_one_says_the_form():
     for bad in ("http://127.0.0.1:8000/v1", "vllm=127.0.0.1:8000", "=http://h/v1"):
         with pytest.raises(ValueError, match="expected NAME=URL"):
             parse_backends([bad])
+
+
+def _turn(c3: float | None, calls: list[dict], interrupted: bool = False) -> dict:
+    return {"clocks": {"turn_end_to_first_audio_ms": c3}, "tool_calls": calls,
+            "interrupted": interrupted}
+
+
+def test_tool_turns_count_results_heard_within_a_second():
+    ok = {"name": "lookup_order", "duration_ms": 20.0, "ok": True}
+    failed = {"name": "lookup_order", "duration_ms": 5000.0, "ok": False}
+    turns = [_turn(800.0, [ok]), _turn(1400.0, [ok, failed]), _turn(300.0, []),
+             _turn(200.0, [ok], interrupted=True)]
+
+    summary = tool_turns(turns)
+    assert (summary["turns"], summary["calls"], summary["failed"]) == (2, 3, 1)
+    assert summary["within_goal"] == 1 and summary["c3_p50"] == 1100.0
+    table = render_tool_turns({"ngram": summary})
+    assert "| ngram | 2 | 3 (1) | 1100 / 1370 | 20 | 1 of 2 |" in table

@@ -234,13 +234,36 @@ async def test_a_quick_tool_says_no_filler(make_serving, tokenizer):
     assert RUNS and not _of(probe.frames, TTSSpeakFrame)
 
 
-async def test_a_tool_that_ends_the_call_hangs_up_after_the_next_reply(make_serving, tokenizer):
+async def test_a_tool_that_ends_the_call_says_the_goodbye_then_hangs_up(make_serving, tokenizer):
     serving, context = make_serving(), LLMContext()
     probe = await _run(serving, tokenizer, context,
-                       [_user(context, "Thanks, bye"), SleepFrame(sleep=3)])
+                       [_user(context, "Thanks, bye"), SleepFrame(sleep=2)], goodbye="Bye now!")
+
+    assert [name for name, _ in RUNS] == ["hang_up"]
+    [goodbye], [end] = _of(probe.frames, TTSSpeakFrame), _of(probe.frames, EndWorkerFrame)
+    assert goodbye.text == "Bye now!"
+    assert probe.frames.index(goodbye) < probe.frames.index(end), "the goodbye is queued first"
+    assert len(serving.handles) == 2, "no reply to the tool's result: the goodbye is the reply"
+
+
+async def test_without_a_goodbye_the_call_ends_after_the_models_reply(make_serving, tokenizer):
+    serving, context = make_serving(), LLMContext()
+    probe = await _run(serving, tokenizer, context,
+                       [_user(context, "Thanks, bye"), SleepFrame(sleep=3)], goodbye="")
 
     assert [name for name, _ in RUNS] == ["hang_up"]
     [end] = _of(probe.frames, EndWorkerFrame)
     goodbye_end = _of(probe.frames, LLMFullResponseEndFrame)[-1]
     assert probe.frames.index(goodbye_end) < probe.frames.index(end), "goodbye queued first"
     assert len(serving.handles) == 3
+
+
+async def test_once_the_turns_calls_are_used_the_reply_is_words_without_markup(
+        make_serving, tokenizer):
+    serving, context = make_serving(), LLMContext()
+    await _run(serving, tokenizer, context,
+               [_user(context, "Where is my order 48213?"), SleepFrame(sleep=3)])
+
+    answer = await serving.handles[2].result()
+    assert not answer.tool_calls
+    assert not set(answer.text) & set("<{"), answer.text

@@ -15,8 +15,8 @@ import numpy as np
 from voiceagent.bench_report import percentile
 from voiceagent.pipeline.turn_record import TurnRecord
 
-BREAKDOWN = ("vad_hangover_ms", "asr_final_ms", "prefill_ms", "first_token_ms",
-             "first_clause_ms", "tts_first_chunk_ms")
+BREAKDOWN = ("vad_hangover_ms", "asr_final_ms", "tool_call_ms", "tools_ms", "prefill_ms",
+             "first_token_ms", "first_clause_ms", "tts_first_chunk_ms")
 
 
 def _pcts(xs: list[float], qs=(50, 95, 99)) -> dict:

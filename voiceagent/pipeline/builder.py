@@ -90,8 +90,8 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     if tools and isinstance(shared.chat, EngineChat):
         progress(f"compiling the grammars of {len(tools)} tool(s) ...")
         schemas = [t.schema for t in tools]
-        shared.chat.prepare_tools([ToolUse(schemas), *(ToolUse(schemas, (t.name,))
-                                                       for t in tools if t.triggers)])
+        shared.chat.prepare_tools([ToolUse(schemas), SpeculativeLLMService.answer_tools(schemas),
+                                   *(ToolUse(schemas, (t.name,)) for t in tools if t.triggers)])
     asr = resolve(cfg.asr.model, "asr")
     progress(f"loading ASR {cfg.asr.model} ...")
     shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type, cfg.asr.cpu_threads)
@@ -144,6 +144,7 @@ def build_call(
         method=method,
         context=context if cfg.turn.prepare else None,
         tools=tools,
+        max_tool_calls=cfg.agent.max_tool_calls,
     )
     register_tools(llm, tools, cfg.agent)
     pipeline = Pipeline([

@@ -40,6 +40,8 @@ class ToolUse:
 
     tools: list[dict]  # OpenAI function tools
     required: tuple[str, ...] = ()
+    allowed: bool = True  # False: the reply must not call any (the turn's calls are used up)
+    exclude: tuple[str, ...] = ()  # ... nor write these (in-process engine only)
 
     def choices(self) -> list[dict]:
         """The tools the reply may call."""
@@ -47,10 +49,14 @@ class ToolUse:
             return self.tools
         return [t for t in self.tools if t["function"]["name"] in self.required]
 
+    @property
+    def choice(self) -> str:
+        return "none" if not self.allowed else "required" if self.required else "auto"
+
     def grammar(self) -> GrammarSpec:
         """The engine's grammar for the reply (`llm_engine.grammar`)."""
-        return GrammarSpec(kind="tools", tools=self.choices(),
-                           tool_choice="required" if self.required else "auto")
+        return GrammarSpec(kind="tools", tools=self.choices(), tool_choice=self.choice,
+                           exclude=list(self.exclude if not self.allowed else ()))
 
 
 class ChatBackend(Protocol):

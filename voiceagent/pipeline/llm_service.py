@@ -109,6 +109,7 @@ from pipecat.frames.frames import (
     LLMUpdateSettingsFrame,
     MetricsFrame,
     StartFrame,
+    TTSSpeakFrame,
     UserStoppedSpeakingFrame,
 )
 from pipecat.processors.aggregators.llm_context import (
@@ -129,6 +130,8 @@ from voiceagent.pipeline.metrics import EngineStatsMetricsData
 from voiceagent.tools import Tool
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# A spoken reply has no markup; a small model answering a tool's result copies the call's.
+_MARKUP = ("<", "{")
 _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
 
 
@@ -190,11 +193,14 @@ class SpeculativeLLMService(LLMService):
         method: str | None = None,
         context: LLMContext | None = None,
         tools: Sequence[Tool] = (),
+        max_tool_calls: int = 1,
         **kwargs,
     ):
         """`sampling` and `method` override the engine config's; None keeps them. `context`: the
         call's conversation, for prefilling the caller's words while they speak (None: off).
-        `tools`: what the model may call (their handlers are registered by tool_calls.py)."""
+        `tools`: what the model may call (their handlers are registered by tool_calls.py), at
+        most `max_tool_calls` times a turn: then the reply must be words (a small model would
+        call again and again)."""
         # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
         # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
@@ -227,11 +233,17 @@ class SpeculativeLLMService(LLMService):
         # next reply's prefix.
         self._prefill: asyncio.Task | None = None
         self._tools = list(tools)
+        self._max_tool_calls = max_tool_calls
         self._ending = False  # a tool ended the call: the next finished reply is the last
 
     def end_after_reply(self) -> None:
         """Hang up once the next reply has been spoken (a tool like `end_call` ran)."""
         self._ending = True
+
+    async def hang_up(self, goodbye: str) -> None:
+        """Say `goodbye`, then end the pipeline once it has been played."""
+        await self.push_frame(TTSSpeakFrame(goodbye))
+        await self.push_frame(EndWorkerFrame(reason="a tool ended the call"))
 
     # -- frames ---------------------------------------------------------------------------------
 
@@ -312,13 +324,25 @@ class SpeculativeLLMService(LLMService):
 
     def _tool_use(self, messages: list[dict[str, Any]]) -> ToolUse | None:
         """The tools this request may call: all of them, a call required when the caller's words
-        (not a tool's result) match some tools' triggers."""
+        (not a tool's result) match some tools' triggers, none once the turn's calls are used."""
         if not self._tools:
             return None
+        schemas = [t.schema for t in self._tools]
         last = messages[-1] if messages else {}
-        words = last.get("content") or "" if last.get("role") == "user" else ""
-        required = tuple(t.name for t in self._tools if words and t.triggered_by(words))
-        return ToolUse([t.schema for t in self._tools], required)
+        if last.get("role") == "user":
+            words = last.get("content") or ""
+            return ToolUse(schemas, tuple(t.name for t in self._tools if t.triggered_by(words)))
+        turn = messages[max((i for i, m in enumerate(messages) if m["role"] == "user"),
+                            default=-1) + 1:]
+        calls = sum(len(m.get("tool_calls") or ()) for m in turn)
+        if calls < self._max_tool_calls:
+            return ToolUse(schemas)
+        return self.answer_tools(schemas)
+
+    @staticmethod
+    def answer_tools(schemas: list[dict]) -> ToolUse:
+        """A reply that must answer in words, with the tools still in its prompt."""
+        return ToolUse(schemas, allowed=False, exclude=_MARKUP)
 
     async def stop(self, frame: EndFrame):
         # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending

@@ -198,9 +198,9 @@ class RemoteChat:
 
 
 def _tool_choice(tools: ToolUse) -> str | dict:
-    if len(tools.required) == 1:
+    if tools.allowed and len(tools.required) == 1:
         return {"type": "function", "function": {"name": tools.required[0]}}
-    return "required" if tools.required else "auto"
+    return tools.choice
 
 
 class RemoteHandle(DeltaStream):

@@ -4,8 +4,9 @@ Each configured tool (voiceagent.tools) is registered with `LLMService.register_
 tool call travels pipecat's own flow (llm_service.py's module doc). The handler adds what a call
 on the phone needs around `Tool.run`: a spoken filler when the tool is still running after
 `agent.tool_filler_after_s` (silence on a phone line sounds like a dropped call), and the hang-up
-after the goodbye for a tool that ends the call. A failing tool's result says so, for the model
-to apologise from; the call goes on.
+after the goodbye for a tool that ends the call: `agent.goodbye`, or when that is empty the model's
+reply to the tool's result. A failing tool's result says so, for the model to apologise from; the
+call goes on.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from pipecat.frames.frames import TTSSpeakFrame
+from pipecat.frames.frames import FunctionCallResultProperties, TTSSpeakFrame
 from pipecat.services.llm_service import FunctionCallParams
 
 from voiceagent.config import AgentConfig
@@ -35,6 +36,11 @@ def _handler(llm: SpeculativeLLMService, tool: Tool, agent: AgentConfig):
             result = await tool.run(dict(params.arguments), agent.tool_timeout_s)
         finally:
             await llm.cancel_task(filler)
+        if tool.ends_call and result.ok and agent.goodbye:
+            await params.result_callback(
+                result.content, properties=FunctionCallResultProperties(run_llm=False))
+            await llm.hang_up(agent.goodbye)
+            return
         if tool.ends_call and result.ok:
             llm.end_after_reply()
         await params.result_callback(result.content)
