@@ -233,7 +233,7 @@ class GrammarState:
         """Accept a draft token onto the frontier; False (nothing changes) if the grammar refuses
         it here."""
         self._fill()
-        if not self.matcher.accept_token(token):
+        if self.matcher.is_terminated() or not self.matcher.accept_token(token):
             return False
         self._frontier.append(token)
         return True

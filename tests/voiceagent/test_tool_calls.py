@@ -267,3 +267,13 @@ async def test_once_the_turns_calls_are_used_the_reply_is_words_without_markup(
     answer = await serving.handles[2].result()
     assert not answer.tool_calls
     assert not set(answer.text) & set("<{"), answer.text
+
+
+async def test_a_call_is_drafted_through_the_grammar_whatever_the_calls_method(
+        make_serving, tokenizer):
+    serving, context = make_serving(), LLMContext()
+    await _run(serving, tokenizer, context,
+               [_user(context, "Where is my order 48213?"), SleepFrame(sleep=2)])
+
+    call = (await serving.handles[1].result()).stats
+    assert call.method == "grammar+ngram" and call.grammar_drafted > 0

@@ -22,6 +22,15 @@ from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine, Completion, TextDelta
 
 
+def grammar_method(method: str) -> str:
+    """Under a grammar, the forced tokens (a call's keys, brackets, the tool's name) are drafted
+    without a model, combined with the configured method elsewhere: lossless, and most of a call
+    costs no forward of its own."""
+    if method.startswith("grammar"):
+        return method
+    return "grammar" if method == "off" else f"grammar+{method}"
+
+
 class ChatHandle(Protocol):
     """One request in flight (`llm_engine.serving.RequestHandle` is one)."""
 
@@ -92,6 +101,8 @@ class EngineChat:
         if tools is not None and (sampling is None or sampling.max_new_tokens > 1):
             sampling = replace(sampling or self.engine.engine.config.sampling,
                                grammar=tools.grammar())
+        if sampling is not None and sampling.grammar is not None:
+            method = grammar_method(method or self.name)
         return self.engine.submit(prompt, sampling, session_id, method)
 
     def drop_session(self, session_id: str) -> None:
