@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.resources
 import os
 import re
 import typing
@@ -21,8 +22,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from audio.config import ASRConfig, TTSConfig, VADConfig
 from llm_engine.config import EngineConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout, when run from one
+SHIPPED_CONFIGS = "_configs"  # configs/ inside an installed wheel (setup.py copies it there)
+
+
+def _configs_dir() -> Path:
+    """The folder of the shipped configs and prompt sets: `voiceagent/_configs` in an installed
+    wheel, else the checkout's top-level configs/ (an editable install or a plain checkout)."""
+    shipped = importlib.resources.files("voiceagent") / SHIPPED_CONFIGS
+    if isinstance(shipped, Path) and (shipped / "default.yaml").is_file():
+        return shipped
+    return REPO_ROOT / "configs"
+
+
+CONFIGS_DIR = _configs_dir()
+PROMPTS_DIR = CONFIGS_DIR / "prompts"
+DEFAULT_CONFIG = CONFIGS_DIR / "default.yaml"
 
 
 class ConfigError(ValueError):
@@ -84,6 +99,10 @@ class TurnConfig(BaseModel):
     # it off. Both 0: any speech the VAD hears interrupts at once.
     min_interrupt_s: float = Field(0.0, ge=0)
     min_interrupt_words: int = Field(0, ge=0)
+    # Keys pressed (DTMF) are one user turn, sent this long after the last key, or at once on
+    # the termination key ("": none).
+    dtmf_timeout_s: float = Field(2.0, gt=0)
+    dtmf_termination: Literal["#", "*", ""] = "#"
 
 
 class AgentConfig(BaseModel):
@@ -190,7 +209,7 @@ def env_overrides(environ=os.environ) -> list[tuple[str, str]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (the CPU default when None), then the environment's settings
     (`env_overrides`), then `key=value` overrides (`--set`), and validate."""
-    path = Path(path) if path else DEFAULT_CONFIG
+    path = config_path(path)
     try:
         data = yaml.load(path.read_text(), Loader=YamlLoader) or {}
     except FileNotFoundError:
@@ -216,6 +235,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_describe(exc, source=str(path))) from None
+
+
+def config_path(path: str | Path | None) -> Path:
+    """The config file to read: `path` when it exists; else, for a name of a shipped config
+    (`gpu-qwen2.5-7b.yaml`, `configs/gpu-qwen2.5-7b.yaml`), the shipped file, so an installed
+    package takes the README's `--config configs/...` from any directory."""
+    if not path:
+        return DEFAULT_CONFIG
+    path = Path(path)
+    if path.exists() or path.is_absolute():
+        return path
+    parts = path.parts[1:] if path.parts[:1] == ("configs",) else path.parts
+    shipped = CONFIGS_DIR.joinpath(*parts) if parts else None
+    return shipped if shipped is not None and shipped.is_file() else path
 
 
 class YamlLoader(yaml.SafeLoader):

@@ -7,9 +7,8 @@ import asyncio
 
 import pytest
 from pipecat.audio.dtmf.types import KeypadEntry
-from pipecat.frames.frames import InputDTMFFrame, LLMContextFrame
+from pipecat.frames.frames import InputDTMFFrame, LLMContextFrame, TranscriptionFrame
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat.processors.aggregators.dtmf_aggregator import DTMFAggregator
 from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.processors.aggregators.llm_response_universal import (
     LLMContextAggregatorPair,
@@ -20,6 +19,7 @@ from pipecat.tests.utils import SleepFrame, run_test
 from tests.voiceagent.serving import server_config, serving
 from tests.voiceagent.serving import twilio_url as ws_url
 from voiceagent.config import TurnConfig
+from voiceagent.pipeline.builder import dtmf_aggregator
 from voiceagent.pipeline.turns import turn_strategies
 from voiceagent.server import twilio
 from voiceagent.server.media_streams import ProtocolViolation, check_in_call
@@ -57,10 +57,22 @@ async def test_keys_become_a_user_turn_under_our_turn_strategies(turn):
         context, user_params=LLMUserAggregatorParams(user_turn_strategies=turn_strategies(turn)))
     keys = [InputDTMFFrame(KeypadEntry.ONE), InputDTMFFrame(KeypadEntry.POUND)]  # '#' sends
     down, _ = await asyncio.wait_for(run_test(
-        Pipeline([DTMFAggregator(), pair.user()]),
+        Pipeline([dtmf_aggregator(turn), pair.user()]),
         frames_to_send=[*keys, SleepFrame(sleep=0.5)]), 30)
     assert any(isinstance(f, LLMContextFrame) for f in down), [type(f).__name__ for f in down]
     assert context.get_messages() == [{"role": "user", "content": "DTMF: 1#"}]
+
+
+@pytest.mark.parametrize("termination,sent_by_key", [("#", True), ("*", False), ("", False)])
+async def test_the_termination_key_sends_the_keys_at_once_the_timeout_otherwise(
+        termination, sent_by_key):
+    aggregator = dtmf_aggregator(TurnConfig(dtmf_timeout_s=1.5, dtmf_termination=termination))
+    keys = [InputDTMFFrame(KeypadEntry.ONE), InputDTMFFrame(KeypadEntry.POUND)]
+    down, _ = await asyncio.wait_for(run_test(
+        aggregator, frames_to_send=[*keys, SleepFrame(sleep=0.5)]), 30)
+    sent = [f.text for f in down if isinstance(f, TranscriptionFrame)]
+    # Within 0.5 s only the termination key sends; the 1.5 s timeout has not passed yet.
+    assert sent == (["DTMF: 1#"] if sent_by_key else []), sent
 
 
 @pytest.mark.slow

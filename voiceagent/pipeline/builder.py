@@ -23,6 +23,7 @@ from dataclasses import dataclass
 # pipecat imports this (and the openai SDK, 0.4 s) lazily when the first LLM service is built:
 # on the event loop, during the first call. Import it with the rest instead.
 import pipecat.adapters.llm.services.open_ai_adapter  # noqa: F401
+from pipecat.audio.dtmf.types import KeypadEntry
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.aggregators.dtmf_aggregator import DTMFAggregator
@@ -35,7 +36,7 @@ from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_transport import BaseTransport
 
 from llm_engine.serving import AsyncEngine
-from voiceagent.config import Config
+from voiceagent.config import Config, TurnConfig
 from voiceagent.llm_setup import LLMRuntime, build_runtime
 from voiceagent.models import resolve
 from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat, ToolUse
@@ -104,6 +105,12 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     return shared
 
 
+def dtmf_aggregator(turn: TurnConfig) -> DTMFAggregator:
+    # No termination key (None): only the timeout sends the keys.
+    key = KeypadEntry(turn.dtmf_termination) if turn.dtmf_termination else None
+    return DTMFAggregator(timeout=turn.dtmf_timeout_s, termination_digit=key)
+
+
 @dataclass
 class CallPipeline:
     call_id: str
@@ -153,8 +160,8 @@ def build_call(
         PausingVADProcessor(vad_analyzer=make_vad(cfg.vad)),
         make_stt(cfg.asr, prepare=cfg.turn.prepare),
         # Keys pressed (Twilio `dtmf`, the page's RTVI `dtmf`) become a transcript "DTMF: 1#":
-        # a user turn like a spoken one. pipecat's defaults: sent 2 s after the last key, or at #.
-        DTMFAggregator(),
+        # a user turn like a spoken one.
+        dtmf_aggregator(cfg.turn),
         aggregators.user(),
         llm,
         make_tts(cfg.tts),
