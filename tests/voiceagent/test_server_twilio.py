@@ -170,3 +170,18 @@ async def test_three_simultaneous_calls_each_get_a_reply(tmp_path, models):
         print(f"3 simultaneous calls: clock 3 {[f'{c:.0f} ms' for c in clock3]}, "
               f"client round trips {[f'{r * 1000:.0f} ms' for r in round_trips]}")
 
+
+
+async def test_saying_goodbye_closes_the_stream_after_the_goodbye_is_heard(tmp_path, models):
+    # The default config's demo tools: "goodbye" requires `end_call`, which says agent.goodbye.
+    async with serving(server_config(tmp_path), models) as (app, base):
+        async with TwilioCaller(ws_url(base)) as caller:
+            await caller.start()
+            said = await caller.say(speech("Thanks, that is all. Goodbye!"))
+            assert await caller.wait(lambda r: r.close_code is not None, REPLY_TIMEOUT_S)
+            heard = sum(n for t, n in caller.received.media if t >= said.ended) / 8000
+        assert caller.received.close_code == 1000
+        assert heard > 1.0, f"the stream closed after {heard:.2f} s of the goodbye"
+        [record] = next(iter(app.state.server.records.by_call.values()))
+        assert [c.name for c in record.tool_calls] == ["end_call"]
+        assert app.state.server.cfg.agent.goodbye in record.bot_text
