@@ -4,12 +4,12 @@ The service turns pipecat's universal `LLMContext` into chat messages, submits t
 `ChatBackend` (chat_backend.py: the shared in-process `llm_engine.serving.AsyncEngine`, or a
 remote OpenAI-compatible server, remote_llm.py), and streams the text deltas out as pipecat expects
 (`LLMFullResponseStartFrame`, `LLMTextFrame`s, `LLMFullResponseEndFrame`; compare
-pipecat/services/openai/base_llm.py `process_frame`, lines 687-741). Each request's
+pipecat/services/openai/base_llm.py `process_frame`). Each request's
 `RequestStats` leave as an `EngineStatsMetricsData` in a `MetricsFrame`: metrics are data, not
 log lines.
 
 Barge-in. pipecat answers an `InterruptionFrame` by cancelling the processor's process task
-(frame_processor.py `_start_interruption`, lines 1152-1170), so `CancelledError` lands at whatever
+(frame_processor.py `_start_interruption`), so `CancelledError` lands at whatever
 `await` a service is on. The engine loop runs on its own thread and would keep decoding, so the
 service cancels the request itself (`RequestHandle.cancel()`: the worker stops at its next step
 boundary and frees the KV) and cancels the task that streams its text. Generation runs in a task of
@@ -19,21 +19,21 @@ its own, not in the process task, so that a new context can supersede a reply in
 What the context keeps of an interrupted reply (pipecat 1.14, read from the source):
 
 - `LLMAssistantAggregator` appends every `TextFrame` with `append_to_context=True` that reaches it
-  (llm_response_universal.py `_handle_text`, lines 2386-2426). On an `InterruptionFrame` it commits
-  what it holds so far as the assistant message (`_handle_interruptions` lines 2020-2022 ->
-  `_trigger_assistant_turn_stopped` line 2579 -> `push_aggregation` line 1946 ->
-  `_add_aggregation_to_context`, line 1978). It does no word or timestamp tracking of its own: it
+  (llm_response_universal.py `_handle_text`). On an `InterruptionFrame` it commits
+  what it holds so far as the assistant message (`_handle_interruptions` ->
+  `_trigger_assistant_turn_stopped` -> `push_aggregation` ->
+  `_add_aggregation_to_context`). It does no word or timestamp tracking of its own: it
   keeps whatever text frames reached it.
 - What reaches it depends on where it sits. In pipecat's standard order
   `[..., llm, tts, transport.output(), assistant]` the TTS consumes our `LLMTextFrame`s
-  (tts_service.py line 1087 `_handle_text`, not forwarded), forwards the aggregated sentence with
-  `append_to_context=False` (`_announce_text`, line 1609), and queues a `TTSTextFrame` with
-  `append_to_context=True` behind that sentence's audio (`_push_spoken_text`, lines 1703-1725;
+  (tts_service.py `_handle_text`, not forwarded), forwards the aggregated sentence with
+  `append_to_context=False` (`_announce_text`), and queues a `TTSTextFrame` with
+  `append_to_context=True` behind that sentence's audio (`_push_spoken_text`;
   services with word timestamps push one per word with a pts instead). The output transport
   releases those frames only after the audio queued before them has been written
-  (base_output.py `_audio_task_handler`, lines 1019-1050, and the clock task for pts frames), and
-  an interruption drops the unplayed rest (`handle_interruptions`: `_audio_queue.reset()` line
-  621, `_clock_queue.reset()` line 627).
+  (base_output.py `_audio_task_handler`, and the clock task for pts frames), and
+  an interruption drops the unplayed rest (`handle_interruptions`: `_audio_queue.reset()`,
+  `_clock_queue.reset()`).
 - So with a pipecat `TTSService` and the assistant aggregator after the output transport, the
   context holds only spoken text: whole sentences for a TTS without word timestamps (the
   sentence being spoken at barge-in is dropped whole), words for one with them. With no TTS in
@@ -51,7 +51,7 @@ followed by an `EndWorkerFrame`, which ends the pipeline once that goodbye has b
 
 This service's part: it never pushes text after it has forwarded the `InterruptionFrame`; the
 streaming task is cancelled and awaited first. It does not push an `LLMFullResponseEndFrame` for an
-interrupted reply either (pipecat's OpenAI service does, from a `finally`, base_llm.py line 739):
+interrupted reply either (pipecat's OpenAI service does, from a `finally`, base_llm.py):
 that End would be queued ahead of the interruption, so a TTS could flush the unfinished clause into
 synthesis, and an aggregator right after the LLM could close the turn as not interrupted, before
 the interruption drops it. The `InterruptionFrame` is what ends an interrupted reply downstream,
@@ -346,7 +346,7 @@ class SpeculativeLLMService(LLMService):
 
     async def stop(self, frame: EndFrame):
         # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending
-        # frames drain" and is where in-flight work is flushed (ai_service.py line 127), as
+        # frames drain" and is where in-flight work is flushed (ai_service.py), as
         # pipecat's own LLM services finish their completion before the EndFrame passes. The
         # reply in flight (bounded by max_new_tokens) finishes and every request's stats are
         # pushed before the EndFrame moves on; nothing outlives the pipeline.
