@@ -1,5 +1,7 @@
 """Simulated calls through the real pipeline: embedded models, synthesised caller speech."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -108,3 +110,30 @@ def test_the_call_wav_has_the_caller_left_and_the_bot_right(tmp_path):
     data, rate = soundfile.read(tmp_path / "out.wav", dtype="int16")
     assert rate == RATE and data.shape == (RATE, 2)
     assert data[0, 0] == 1000 and data[0, 1] == -1000 and data[-1, 1] == 0
+
+
+# Tool calls: the default config's demo tools (voiceagent.tools.demo).
+
+
+async def test_a_caller_asking_for_an_order_hears_its_status(cfg, shared):
+    # Callers read order numbers digit by digit; Whisper writes them as one number.
+    result = await simulate_call(
+        cfg, shared, _caller(0.5, "What is the status of order four eight two one three?", 10.0))
+
+    [turn] = result.turns
+    [call] = turn.tool_calls
+    assert call.name == "lookup_order" and call.ok
+    tool = next(m for m in result.messages if m["role"] == "tool")
+    assert '"status": "shipped"' in tool["content"]  # the bundled order 48213
+    assert "shipped" in turn.bot_text.lower()  # and the caller hears it
+
+
+async def test_saying_goodbye_ends_the_call_after_the_goodbye(cfg, shared):
+    audio = _caller(0.5, "Thanks, that is all. Goodbye!", 30.0)
+    start = time.monotonic()
+    result = await simulate_call(cfg, shared, audio)
+
+    assert time.monotonic() - start < len(audio) / RATE - 10, "the bot hung up, not the caller"
+    [turn] = result.turns
+    assert [c.name for c in turn.tool_calls] == ["end_call"]
+    assert cfg.agent.goodbye in turn.bot_text
