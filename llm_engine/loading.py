@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.utils.logging import tqdm as hf_tqdm
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,13 @@ def file_sha256(path: Path, cache_dir: Path | None = None) -> str:
     if key in known:
         return known[key]
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    # A bar (on a terminal, after 2 s) with transformers' loading bars: off where they are off.
+    bar = hf_tqdm(total=st.st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}",
+                  leave=False, delay=2, disable=None)
+    with path.open("rb") as f, bar:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
+            bar.update(len(block))
     digest = h.hexdigest()
     if index:
         index.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ from llm_engine.proposers import ProposeContext, make_proposer  # noqa: E402
 from llm_engine.sampling import make_generator  # noqa: E402
 from voiceagent.config import load_config  # noqa: E402
 from voiceagent.llm_setup import load_llm  # noqa: E402
+from voiceagent.logs import progress_bar, write  # noqa: E402
 
 PROMPTS = REPO / "configs" / "prompts" / "distill_v1.yaml"
 
@@ -59,8 +60,7 @@ def prompt_items(path: Path) -> list[dict]:
 
 def load_target(args):
     cfg = load_config(args.config, args.set)
-    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-    return load_llm(cfg.engine.target, cfg.engine, cfg.paths.cache_dir, say)
+    return load_llm(cfg.engine.target, cfg.engine, cfg.paths.cache_dir, write)
 
 
 def read_data(path: Path) -> list[dict]:
@@ -89,6 +89,7 @@ def generate(args) -> None:
     gen_eos = model.generation_config.eos_token_id
     eos = {tok.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     t0, tokens = time.monotonic(), 0
+    bar = progress_bar(len(todo), "generate", "prompt")  # on a terminal only
     for start in range(0, len(todo), args.batch):
         batch = todo[start:start + args.batch]
         prompts = [encode_chat(tok, it["messages"]) for it in batch]
@@ -109,8 +110,10 @@ def generate(args) -> None:
                                     "heldout": it["heldout"], "prompt_ids": p,
                                     "reply_ids": reply}) + "\n")
         rate = tokens / (time.monotonic() - t0)
-        print(f"  {start + len(batch)}/{len(todo)} prompts, {tokens} reply tokens, "
-              f"{rate:.0f} tok/s", file=sys.stderr)
+        write(f"  {start + len(batch)}/{len(todo)} prompts, {tokens} reply tokens, "
+              f"{rate:.0f} tok/s")
+        bar.update(len(batch))
+    bar.close()
 
 
 # --- target features -------------------------------------------------------------------------
@@ -127,6 +130,7 @@ def target_features(target, data: list[dict], path: Path) -> dict[str, torch.Ten
     todo = sorted((d for d in data if d["id"] not in feats),
                   key=lambda d: len(d["prompt_ids"]) + len(d["reply_ids"]))
     t0 = time.monotonic()
+    bar = progress_bar(len(todo), "target features", "seq")
     for start in range(0, len(todo), 8):
         rows = todo[start:start + 8]
         ids, mask = padded([r["prompt_ids"] + r["reply_ids"] for r in rows])
@@ -135,8 +139,10 @@ def target_features(target, data: list[dict], path: Path) -> dict[str, torch.Ten
         for i, r in enumerate(rows):
             feats[r["id"]] = hidden[i, :int(mask[i].sum())].half().clone()
         if (start // 8) % 25 == 0 or start + 8 >= len(todo):
-            print(f"  features: {min(start + 8, len(todo))}/{len(todo)} sequences, "
-                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
+            write(f"  features: {min(start + 8, len(todo))}/{len(todo)} sequences, "
+                  f"{time.monotonic() - t0:.0f} s")
+        bar.update(len(rows))
+    bar.close()
     if todo:
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(cached, path)
@@ -275,6 +281,7 @@ def train(args) -> None:
     model.train()
     stream = batches(train_set, args.batch, rng, feats, shift)
     t0 = time.monotonic()
+    bar = progress_bar(args.steps, "train", "step", initial=step)
     while step < args.steps:
         batch = next(stream)
         lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
@@ -286,13 +293,15 @@ def train(args) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
+        bar.update()
         if step % 10 == 0 or step == args.steps:
-            print(f"  step {step}/{args.steps} loss {loss.item():.3f} lr {lr:.2e} "
-                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr)
+            write(f"  step {step}/{args.steps} loss {loss.item():.3f} lr {lr:.2e} "
+                  f"{time.monotonic() - t0:.0f} s")
         if step % args.save_every == 0 or step == args.steps:
             out.mkdir(parents=True, exist_ok=True)
             torch.save({"model": own(model), "opt": opt.state_dict(), "step": step, "rng": rng,
                         "torch_rng": torch.get_rng_state()}, ckpt)
+    bar.close()
     meta = {"kind": args.kind, "target": target.name, "target_file_sha256": target.file_sha256,
             "vocab_size": len(vocab), "steps": step, "batch": args.batch, "lr": args.lr,
             "hard": args.hard, "soft": args.soft, "tt": args.tt, "seed": args.seed,
@@ -325,7 +334,7 @@ def evaluate(args) -> None:
     k, greedy = args.k, SamplingConfig()
     steps = tokens = 0
     accepted, drafted = [0] * k, [0] * k
-    for d in held:
+    for d in progress_bar(desc="eval", unit="reply", iterable=held):
         seq, p = d["prompt_ids"] + d["reply_ids"], len(d["prompt_ids"])
         proposer = make()
         proposer.begin(seq[:p])

@@ -31,6 +31,7 @@ from voiceagent.bench_report import percentile, save_results, utc_stamp
 from voiceagent.call import RATE, simulate_call
 from voiceagent.config import REPO_ROOT, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
+from voiceagent.logs import progress_bar, write
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
@@ -193,11 +194,12 @@ def counted_during(before: dict | None, after: dict | None) -> str:
 
 async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                remotes: dict[str, RemoteChat]) -> tuple[dict[str, list], dict[str, str]]:
-    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress on stderr
+    say = write  # progress on stderr, above the bar on a terminal
     shared = _load(cfg, variants, remotes, say)
     voice = load_piper(resolve(cfg.tts.voice, "tts").location)
     turns: dict[str, list] = {v.name: [] for v in variants}
     before = {name: await chat.speculation() for name, chat in remotes.items()}
+    bar = progress_bar(repeats * len(script["calls"]) * len(variants), "bench call", "call")
     try:
         for r in range(repeats):
             for i, call in enumerate(script["calls"]):
@@ -214,9 +216,11 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                     result = await simulate_call(v.configure(call_cfg), models, audio,
                                                  method=v.method)
                     say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)")
+                    bar.update()
                     turns[v.name] += [dict(t.to_dict(), script_call=call["name"])
                                       for t in result.turns]
     finally:
+        bar.close()
         shared.close()
     spec = {name: counted_during(before[name], await chat.speculation())
             for name, chat in remotes.items()}

@@ -51,6 +51,7 @@ from voiceagent.bench_report import (
     summarise,
 )
 from voiceagent.config import Config
+from voiceagent.logs import progress_bar
 from voiceagent.prompt_sets import PromptSet, heldout_conversations, load_prompt_set, messages
 
 
@@ -312,6 +313,7 @@ def run_bench(
         for index, prompt in enumerate(seg_prompts)
     ]
     records: list[RunRecord] = []
+    bar = progress_bar(len(plan), "bench engine", "prompt")  # on a terminal only
     for turn, (temperature, repeat, segment, index, prompt) in enumerate(plan):
         these = prompt_modes(modes, prompt)
         shift = turn % len(these)  # rotate the order, so no mode always runs first or last
@@ -325,11 +327,14 @@ def run_bench(
             for mode in these[shift:] + these[:shift]
         ]
         records += done
-        progress(
-            f"[{turn + 1}/{len(plan)}] T={temperature:g} repeat {repeat + 1} {segment} "
-            f"#{index + 1}: "
-            + ", ".join(f"{r.mode} {r.n_tokens} tok {_rate(r.decode_tok_s)}" for r in done)
-        )
+        with bar.external_write_mode(file=sys.stderr):  # the line above the bar
+            progress(
+                f"[{turn + 1}/{len(plan)}] T={temperature:g} repeat {repeat + 1} {segment} "
+                f"#{index + 1}: "
+                + ", ".join(f"{r.mode} {r.n_tokens} tok {_rate(r.decode_tok_s)}" for r in done)
+            )
+        bar.update()
+    bar.close()
     return records, modes
 
 

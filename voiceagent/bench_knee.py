@@ -13,6 +13,7 @@ import asyncio
 
 from voiceagent.bench_report import percentile
 from voiceagent.config import Config
+from voiceagent.logs import progress_bar
 from voiceagent.server.serve import serving_in_process
 from voiceagent.twilio_caller import TwilioCaller
 
@@ -43,6 +44,7 @@ async def conversation(url: str, audio: list, offset_s: float) -> str:
 async def knee(cfg: Config, shared, audio: list, callers: list[int], methods: list[str],
                threshold_ms: float, say) -> dict:
     levels = []
+    bar = progress_bar(len(methods) * len(callers), "bench serve --knee", "level")
     for method in methods:
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.engine.speculation.method = method
@@ -57,6 +59,8 @@ async def knee(cfg: Config, shared, audio: list, callers: list[int], methods: li
                     conversation(url, audio, i * STAGGER_S) for i in range(n)))
                 calls = [records.by_call[c] for c in records.by_call if c not in before]
                 levels.append(level(method, n, outcomes, calls, threshold_ms))
+                bar.update()
+    bar.close()
     return {"threshold_ms": threshold_ms, "max_calls": cfg.server.max_calls,
             "turns": len(audio), "levels": levels,
             "knee": {m: knee_of([lv for lv in levels if lv["method"] == m]) for m in methods}}

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import sys
 import time
 
 from audio.synth import synthesize
 from voiceagent.bench_knee import knee, render_knee
 from voiceagent.bench_report import percentile, save_results, utc_stamp
 from voiceagent.config import Config
+from voiceagent.logs import progress_bar, write
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
 from voiceagent.pipeline.tts import shared_piper_voice
@@ -95,6 +95,7 @@ class Bench:
             out["round_trip_clock3_ms"] = [t.clocks.turn_end_to_first_audio_ms
                                            for t in turn_records]
             out["concurrency"] = {}
+            bar = progress_bar(len(concurrency) + soak, "bench serve", "step")
             for n in concurrency:
                 self.say(f"{n} simultaneous call(s)")
                 before = set(records.by_call)
@@ -106,6 +107,7 @@ class Bench:
                                   for c in new for t in records.by_call[c]],
                     "round_trip_ms": [x for r in results for x in r],
                 }
+                bar.update()
             self.say(f"memory: {soak} calls one after another")
             gc.collect()
             rss, objects = [rss_mb()], [len(gc.get_objects())]
@@ -114,6 +116,8 @@ class Bench:
                 gc.collect()
                 rss.append(rss_mb())
                 objects.append(len(gc.get_objects()))
+                bar.update()
+            bar.close()
             out["rss_mb"] = {"before": rss[0], "after_1": rss[1], "after_n": rss[-1],
                              "n": soak, "series": rss}
             # Python objects alive: a leak of calls' pipelines would grow this by thousands.
@@ -159,7 +163,7 @@ def render(r: dict) -> str:
 
 
 def run_serve_bench(cfg: Config, args) -> int:
-    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress on stderr
+    say = write  # progress on stderr, above a bar on a terminal
     default_calls = "1,2,3,4,5,6" if args.knee else "1,2,3"
     concurrency = [int(x) for x in (args.calls or default_calls).split(",")]
     shared = load_shared(cfg, say)

@@ -8,6 +8,7 @@ import sys
 from llm_engine.contract import IncompatiblePairError
 from llm_engine.loading import ModelLoadError
 from llm_engine.proposers import proposer_names
+from voiceagent import logs
 from voiceagent.config import ConfigError, load_config
 from voiceagent.models import ModelNotFound
 
@@ -20,23 +21,44 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _log_args(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """--log-level and --log-json, before a command (`voiceagent --log-json serve`) or after it;
+    after it they default to SUPPRESS, so as not to overwrite one given before it."""
+    p.add_argument("--log-level", type=str.upper, choices=logs.LEVELS, metavar="LEVEL",
+                   default=logs.DEFAULT_LEVEL if top else argparse.SUPPRESS,
+                   help=f"log level: {', '.join(logs.LEVELS)} (default: {logs.DEFAULT_LEVEL}); "
+                   "ours, pipecat's, uvicorn's and the engine's logs alike")
+    p.add_argument("--log-json", action="store_true",
+                   default=False if top else argparse.SUPPRESS,
+                   help="logs as one JSON object per line on stderr (time, level, logger, "
+                   "message, exception) instead of text; no progress bars")
+
+
+def _command(sub, name: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand that takes --config, --set, --log-level and --log-json."""
+    p = sub.add_parser(name, **kwargs)
+    _config_args(p)
+    _log_args(p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="voiceagent",
         description="Real-time voice agent with an in-process speculative-decoding LLM engine.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    _log_args(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of the commands below; COMMAND --help for its flags")
 
-    p = sub.add_parser("serve", help="run the call server (browser WebRTC, Twilio, dashboard)")
-    _config_args(p)
+    p = _command(sub, "serve", help="run the call server (browser WebRTC, Twilio, dashboard)")
     p.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default from config: 7860)")
     p.add_argument("--insecure-public", action="store_true",
                    help="listen off loopback without server.token (and take unsigned Twilio "
                    "calls): anyone who reaches the port can place calls and read transcripts")
 
-    p = sub.add_parser("call", help="simulate a phone call from a WAV file through the pipeline")
-    _config_args(p)
+    p = _command(sub, "call", help="simulate a phone call from a WAV file through the pipeline")
     p.add_argument("--wav", required=True, help="caller audio (WAV)")
     p.add_argument("--out", help="write the bot's audio here (WAV)")
     p.add_argument("--json", action="store_true", help="print the turn records as JSON")
@@ -46,78 +68,109 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stream without real-time pacing: a smoke run; later utterances then "
                       "arrive while the bot still answers, so clocks are not meaningful")
 
-    p = sub.add_parser("chat", help="generate one reply with the engine only (no audio)")
-    _config_args(p)
-    p.add_argument("prompt")
-    p.add_argument("--speculative", choices=proposer_names(), help="speculation method")
+    p = _command(sub, "chat", help="generate one reply with the engine only (no audio)")
+    p.add_argument("prompt", help="the user's message")
+    p.add_argument("--speculative", choices=proposer_names(),
+                   help="speculation method (default from config: engine.speculation.method)")
     p.add_argument("--draft", help="draft model name or path (implies --speculative draft)")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature, 0 for greedy (default from config)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="most tokens to generate (default from config)")
+    p.add_argument("--seed", type=int, help="sampling seed (default from config)")
+    p.add_argument("--json", action="store_true",
+                   help="print text, token_ids, finish_reason, stats and the engine config as "
+                   "one JSON object instead of streaming the reply")
 
-    p = sub.add_parser("bench", help="benchmarks (JSON + Markdown under results/)")
-    _config_args(p)
-    p.add_argument("what", choices=["engine", "call", "serve"],
-                   help="engine: engine modes vs HF generate(); call: scripted calls, off vs on; "
-                   "serve: the server under simulated Twilio callers")
-    p.add_argument("--prompts", default=None, help="prompt set YAML "
-                   "(default: configs/prompts/engine_bench_v2.yaml)")
-    p.add_argument("--modes", help="engine modes, comma-separated: proposers (off, ngram, draft, "
-                   "eagle, grammar) or grammar+<one>, e.g. grammar+ngram (engine default: "
-                   "off,ngram and draft when engine.draft is set; off always runs); call: variants "
-                   "METHOD[+prepare][+smart_turn][:key=value...] (default: "
-                   "off,ngram,off+prepare,ngram+prepare)")
-    p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
-    p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32; "
-                   "bench engine: at least 128 for a tool call)")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
-    p.add_argument("--segments", help="bench engine: comma-separated segment names (default: "
-                   "all but the prompt set's on-request ones; tool_call, whose prompts are "
-                   "decoded under the tools grammar and must call a tool, runs only when named)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every mode")
-    p.add_argument("--hf-lookup-tokens", type=int, default=10,
-                   help="HF generate(prompt_lookup_num_tokens=N) (default: 10)")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baselines")
-    p.add_argument("--formats", help="bench engine: weight formats to run every mode in, "
-                   "comma-separated (default on a CPU: float32,bfloat16)")
-    p.add_argument("--anchor-url", help="bench engine: an OpenAI-compatible server's /v1 URL "
-                   "(vLLM, SGLang, llama.cpp) timed on the same prompts as mode `anchor`")
-    p.add_argument("--anchor-model", help="bench engine: the model to ask the anchor for "
-                   "(default: the first it serves)")
-    p.add_argument("--quality", action="store_true", help="bench engine: each format's "
-                   "teacher-forced top-1 agreement and log-prob difference against fp32")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
-    p.add_argument("--out", default="results", help="results folder (default: results)")
-    p.add_argument("--backend", action="append", metavar="NAME=URL",
-                   help="bench call: a remote OpenAI-compatible server (vLLM, SGLang, serve's "
-                   "/v1) as the LLM of the variants named NAME (repeatable; default variants "
-                   "then: off,ngram and each NAME)")
-    p.add_argument("--script", help="bench call: scripted calls YAML "
-                   "(default: configs/prompts/call_bench_v2.yaml)")
-    p.add_argument("--turns", type=int, default=5, help="bench serve: turns of the timed call")
-    p.add_argument("--calls", help="bench serve: simultaneous calls to try (default: 1,2,3; "
-                   "--knee: 1,2,3,4,5,6)")
-    p.add_argument("--knee", action="store_true", help="bench serve: the capacity knee, "
-                   "speculation off and on (per number of callers at once)")
-    p.add_argument("--threshold-ms", type=float, default=1500.0,
-                   help="bench serve --knee: clock 3 every turn must stay under (default 1500)")
-    p.add_argument("--soak", type=int, default=20,
-                   help="bench serve: calls in a row for the memory figure (default: 20)")
+    p = sub.add_parser("bench", help="benchmarks (JSON + Markdown under results/)",
+                       description="Benchmarks; each writes JSON and Markdown under results/. "
+                       "`voiceagent bench KIND --help` lists a kind's flags.")
+    _log_args(p)
+    kinds = p.add_subparsers(dest="what", required=True, metavar="KIND",
+                             help="engine, call or serve")
+    _bench_engine_args(_command(
+        kinds, "engine", help="engine modes vs HF generate(), per weight format",
+        description="Engine modes in each weight format against HF generate() fp32 baselines, "
+        "side by side, per prompt segment."))
+    _bench_call_args(_command(
+        kinds, "call", help="scripted multi-turn calls, variants side by side",
+        description="The same scripted calls through the whole pipeline under several "
+        "variants, side by side."))
+    _bench_serve_args(_command(
+        kinds, "serve", help="the server under simulated Twilio callers",
+        description="The call server under simulated Twilio callers: round trip, barge-in, "
+        "simultaneous calls, memory; or (--knee) the capacity knee."))
 
-    p = sub.add_parser("doctor", help="check the environment and load every configured model")
-    _config_args(p)
+    _command(sub, "doctor", help="check the environment and load every configured model")
 
-    p = sub.add_parser("report", help="the dashboard's figures as a static HTML or Markdown "
-                       "report with PNG plots, from the turn store")
-    _config_args(p)
+    p = _command(sub, "report", help="the dashboard's figures as a static HTML or Markdown "
+                 "report with PNG plots, from the turn store")
     p.add_argument("--out", required=True,
                    help="report file, .html or .md; the plots go to <stem>_files/ beside it")
     p.add_argument("--since", help="only turns since an ISO date/time (2026-11-30, "
                    "2026-11-30T06:00, local time) or a duration back from now (90m, 24h, 7d); "
                    "default: all turns")
     return parser
+
+
+def _bench_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="results", help="results folder (default: results)")
+
+
+def _bench_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", default=None, help="prompt set YAML "
+                   "(default: configs/prompts/engine_bench_v2.yaml)")
+    p.add_argument("--modes", help="engine modes, comma-separated: proposers (off, ngram, draft, "
+                   "eagle, grammar) or grammar+<one>, e.g. grammar+ngram (default: off,ngram and "
+                   "draft when engine.draft is set, eagle when engine.eagle is; off always runs)")
+    p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
+    p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32; "
+                   "at least 128 for a tool call)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
+    p.add_argument("--segments", help="comma-separated segment names (default: all but the "
+                   "prompt set's on-request ones; tool_call, whose prompts are decoded under the "
+                   "tools grammar and must call a tool, runs only when named)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every mode")
+    p.add_argument("--hf-lookup-tokens", type=int, default=10,
+                   help="HF generate(prompt_lookup_num_tokens=N) (default: 10)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baselines")
+    p.add_argument("--formats", help="weight formats to run every mode in, comma-separated "
+                   "(default on a CPU: float32,bfloat16)")
+    p.add_argument("--anchor-url", help="an OpenAI-compatible server's /v1 URL (vLLM, SGLang, "
+                   "llama.cpp) timed on the same prompts as mode `anchor`")
+    p.add_argument("--anchor-model", help="the model to ask the anchor for "
+                   "(default: the first it serves)")
+    p.add_argument("--quality", action="store_true", help="each format's teacher-forced top-1 "
+                   "agreement and log-prob difference against fp32")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
+    _bench_out(p)
+
+
+def _bench_call_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modes", help="variants, comma-separated: "
+                   "METHOD[+prepare][+smart_turn][:key=value...] (default: "
+                   "off,ngram,off+prepare,ngram+prepare; with --backend: off,ngram and each NAME)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the script")
+    p.add_argument("--backend", action="append", metavar="NAME=URL",
+                   help="a remote OpenAI-compatible server (vLLM, SGLang, serve's /v1) as the "
+                   "LLM of the variants named NAME (repeatable)")
+    p.add_argument("--script", help="scripted calls YAML "
+                   "(default: configs/prompts/call_bench_v3.yaml)")
+    _bench_out(p)
+
+
+def _bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--turns", type=int, default=5, help="turns of the timed call (default: 5)")
+    p.add_argument("--calls", help="simultaneous calls to try, comma-separated (default: 1,2,3; "
+                   "--knee: 1,2,3,4,5,6)")
+    p.add_argument("--knee", action="store_true", help="the capacity knee, speculation off and "
+                   "on (per number of callers at once)")
+    p.add_argument("--threshold-ms", type=float, default=1500.0,
+                   help="--knee: clock 3 every turn must stay under (default: 1500)")
+    p.add_argument("--soak", type=int, default=20,
+                   help="calls in a row for the memory figure (default: 20)")
+    _bench_out(p)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -182,6 +235,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.configure(args.log_level, args.log_json)
     handler = COMMANDS[args.command]
     try:
         return handler(args)
