@@ -24,7 +24,7 @@ import hashlib
 import heapq
 import json
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from llm_engine.config import EngineConfig
 from llm_engine.pair_card import (
@@ -252,7 +252,7 @@ def make_pair_card(target, draft, config: EngineConfig, resident_bytes: int) -> 
         runtime=runtime_record(target.device, config.speculation.method, config.runner),
         fallback=fallback_text(config.speculation),
         compatibility=compatibility(target, draft),
-        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     card.card_hash = card.compute_hash()
     return card

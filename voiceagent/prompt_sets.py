@@ -9,11 +9,11 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from voiceagent.config import REPO_ROOT
+from voiceagent.config import PROMPTS_DIR
 
-DEFAULT_PROMPTS = REPO_ROOT / "configs" / "prompts" / "engine_bench_v2.yaml"
+DEFAULT_PROMPTS = PROMPTS_DIR / "engine_bench_v2.yaml"
 # The draft-training set: its held-out items are text no trained draft has seen.
-HELDOUT_PROMPTS = REPO_ROOT / "configs" / "prompts" / "distill_v1.yaml"
+HELDOUT_PROMPTS = PROMPTS_DIR / "distill_v1.yaml"
 
 
 @dataclass

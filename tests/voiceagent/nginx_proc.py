@@ -14,7 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from tests.voiceagent.server_proc import REPO, log_tail
@@ -32,7 +32,7 @@ def make_certs(folder: Path, host: str) -> tuple[Path, Path, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
 
     def builder(subject: str, issuer: x509.Name, key) -> x509.CertificateBuilder:
         return (x509.CertificateBuilder()
