@@ -88,7 +88,7 @@ async def twilio_stream(ws: WebSocket) -> None:
     except ProtocolViolation as v:
         await sock.close(v.code, v.reason)
         return
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await sock.close(1008, f"no start within {timeout_s:g} s")
         return
     finally:
