@@ -1,8 +1,10 @@
 """A real browser call: Chromium's fake mic speaks a question to `voiceagent serve` over WebRTC.
 
 The page (voiceagent/server/static) must show the caller's words, the bot's reply and the turn's
-clocks, all of which reach it as RTVI messages on the data channel. Its keypad sends RTVI `dtmf`
-messages, which the server makes a user turn like a phone's keys.
+clocks, speculation figures and tool calls, all of which reach it as RTVI messages on the data
+channel, and the microphone's level while it does. Its keypad sends RTVI `dtmf` messages, which
+the server makes a user turn like a phone's keys. Mute silences what the server hears; every
+failure (the microphone refused or missing, the offer refused) is shown with its fix.
 """
 
 from __future__ import annotations
@@ -135,9 +137,27 @@ def test_browser_call_transcribes_answers_and_shows_clocks(server, tmp_path):
             status = page.text_content("#status")
             expect(status == "connected", f"status {status!r} during the call")
             cells = page.locator("#clocks tr.turn").first.locator("td").all_text_contents()
-            expect(len(cells) == 5 and cells[0] == "1", f"turn row {cells}")
+            expect(len(cells) == 9 and cells[0] == "1", f"turn row {cells}")
             # Request -> first token and turn end -> first audio are measured on every turn.
             expect(all(_is_number(cells[i]) for i in (1, 4)), f"clocks missing in {cells}")
+            # The turn's speculation figures, as the server's turn message has them.
+            turn = _turn_messages(page)[0]
+            spec = turn["speculation"]
+            expect(cells[5] == spec["method"] and spec["method"], f"method: {cells} {spec}")
+            if spec["mean_accepted_per_step"] is not None:
+                want = f"{spec['mean_accepted_per_step']:.2f}"
+                expect(cells[6] == want, f"accepted/step {cells[6]!r}, message {spec}")
+            if spec["tokens_per_s"] is not None:
+                expect(cells[7] == str(round(spec["tokens_per_s"])), f"tokens/s: {cells} {spec}")
+            expect(_is_number(cells[7]), f"no tokens/s in {cells}: {spec}")
+            expect(cells[8] == "–" if not turn["tool_calls"] else cells[8] != "–",
+                   f"tools cell {cells[8]!r}, message {turn['tool_calls']}")
+            # The meter moved with the question, and the page's link leads to the dashboard.
+            peak = float(page.get_attribute("#meter", "data-peak"))
+            expect(peak > METER_SPEECH, f"the meter's peak was {peak} during the question")
+            link = page.get_attribute("#dashboard-link", "href")
+            expect(link == "/dashboard", f"the dashboard link is {link!r}")
+            expect(page.is_hidden("#notice"), f"a notice in a good call: {_notice(page)}")
 
             page.click("#hangup")
             status = page.text_content("#status")
@@ -198,6 +218,154 @@ def test_the_keypad_sends_dtmf_over_rtvi_and_the_keys_become_a_user_turn(server,
 
             page.click("#hangup")
             assert all(disabled for _, _, disabled in page.evaluate(KEYPAD)), "keys after hang-up"
+        finally:
+            chromium.close()
+
+
+MIC_STATE = """() => ({
+  tracks: (window.__sent || []).map((t) => ({enabled: t.enabled, state: t.readyState})),
+  ice: window.__pc ? window.__pc.getConfiguration().iceServers : null,
+  pressed: document.querySelector("#mute").getAttribute("aria-pressed"),
+  level: Number(document.querySelector("#meter").getAttribute("aria-valuenow")),
+  peak: Number(document.querySelector("#meter").dataset.peak),
+})"""
+# Test-only tap on the page's peer connection and the tracks it sends: window.__pc, __sent.
+RECORD_TRACKS = """
+window.__sent = [];
+const addTransceiver = RTCPeerConnection.prototype.addTransceiver;
+RTCPeerConnection.prototype.addTransceiver = function (track, init) {
+  window.__pc = this;
+  if (track && track.kind) window.__sent.push(track);
+  return addTransceiver.call(this, track, init);
+};
+"""
+METER_SPEECH = 0.3  # the meter's level (0..1, -60..0 dBFS) the fake mic's question passes
+ICE = [{"urls": ["stun:127.0.0.1:9"]}]  # nothing answers there: host candidates still connect
+SPOKE = """() => (window.__rx || [])
+  .some((m) => /user-started-speaking|user-transcription/.test(m))"""
+
+
+def _turn_messages(page) -> list[dict]:
+    messages = [json.loads(m) for m in page.evaluate("window.__rx || []") if m.startswith("{")]
+    return [m["data"] for m in messages
+            if m.get("type") == "server-message" and (m.get("data") or {}).get("type") == "turn"]
+
+
+def _notice(page) -> dict:
+    return page.evaluate("""() => ({
+      hidden: document.querySelector("#notice").hidden,
+      kind: document.querySelector("#notice").className,
+      what: document.querySelector("#notice-what").textContent,
+      fix: document.querySelector("#notice-fix").textContent,
+      status: document.querySelector("#status").textContent,
+    })""")
+
+
+def test_mute_disables_the_sent_track_so_the_server_hears_nothing(server, tmp_path):
+    """Muted before the call, the question the fake mic plays never reaches the server: the
+    track is disabled, the meter stays flat, and no speech is reported back. The call uses the
+    ICE servers the page gets from /api/ice (here stubbed: the server's are configured in
+    `server.ice_servers`)."""
+    from playwright.sync_api import sync_playwright
+
+    url, log = server
+    wav = _mic_wav(tmp_path / "mic.wav")
+    with sync_playwright() as p:
+        chromium = browser.launch(p, wav)
+        try:
+            page = chromium.new_page()
+            page.add_init_script(browser.RECORD_DATA_CHANNEL)
+            page.add_init_script(RECORD_TRACKS)
+            page.route("**/api/ice", lambda route: route.fulfill(json={"ice_servers": ICE}))
+            page.goto(f"{url}/")
+            page.click("#mute")
+            assert page.get_attribute("#mute", "aria-pressed") == "true"
+            assert page.text_content("#mute") == "Unmute" and page.is_visible("#muted-badge")
+
+            page.click("#call")
+            page.wait_for_function(f"() => !({KEYPAD})()[0][2]", timeout=CALL_TIMEOUT_MS)
+            state = page.evaluate(MIC_STATE)
+            assert state["tracks"] == [{"enabled": False, "state": "live"}], state
+            assert [s["urls"] for s in state["ice"]] == [ICE[0]["urls"]], state
+            # The question plays from 1 s to about 3 s of the mic's file; wait past it.
+            page.wait_for_timeout(1000 * (LEAD_S + 5))
+            spoke = page.evaluate(SPOKE)
+            state = page.evaluate(MIC_STATE)
+            assert not spoke, f"the server heard speech through mute\n{_page_state(page)}"
+            assert state["peak"] == 0, f"the meter moved while muted: {state}"
+            assert page.locator("#transcript .user").count() == 0
+            assert page.text_content("#status") == "connected", log_tail(log)
+
+            page.click("#mute")
+            state = page.evaluate(MIC_STATE)
+            assert state["tracks"] == [{"enabled": True, "state": "live"}], state
+            assert state["pressed"] == "false" and page.is_hidden("#muted-badge")
+            page.click("#hangup")
+            assert page.evaluate(MIC_STATE)["tracks"][0]["state"] == "ended"
+        finally:
+            chromium.close()
+
+
+NO_MIC_PERMISSION = """
+navigator.mediaDevices.getUserMedia = () =>
+  Promise.reject(new DOMException("Permission denied", "NotAllowedError"));
+"""
+# The page as Chromium gives it over plain HTTP from another machine: no navigator.mediaDevices.
+INSECURE = """
+Object.defineProperty(Navigator.prototype, "mediaDevices", {get: () => undefined,
+                                                            configurable: true});
+Object.defineProperty(window, "isSecureContext", {get: () => false, configurable: true});
+"""
+BUSY = "server busy: 4 of 4 calls in progress, try again later"
+
+
+def _refuse_offer(status: int, detail: str, headers: dict | None = None):
+    def handle(route):
+        route.fulfill(status=status, json={"detail": detail}, headers=headers or {})
+    return handle
+
+
+@pytest.mark.parametrize("case,script,offer,what,fix,status", [
+    ("refused", NO_MIC_PERMISSION, None, "The microphone was refused",
+     "allow the microphone for this site", "error: microphone refused"),
+    ("insecure", INSECURE, None, "The microphone needs HTTPS or localhost",
+     "serve the page over HTTPS", "error: the microphone needs HTTPS or localhost"),
+    ("busy", None, (503, BUSY, {"Retry-After": "10"}), f"The server can't take a call now: {BUSY}",
+     "call again in about 10 s", f"error: {BUSY}"),
+    ("origin", None, (403, "origin 'http://elsewhere' not allowed", None),
+     "The server refused the call (HTTP 403): origin 'http://elsewhere' not allowed",
+     "server.allowed_origins", "error: refused (HTTP 403)"),
+])
+def test_a_failed_call_says_why_and_the_fix_on_the_page(server, tmp_path, case, script, offer,
+                                                        what, fix, status):
+    from playwright.sync_api import sync_playwright
+
+    url, _ = server
+    wav = tmp_path / "quiet.wav"
+    write_wav(wav, silence(LEAD_S, MIC_RATE), MIC_RATE)
+    with sync_playwright() as p:
+        chromium = browser.launch(p, wav)
+        try:
+            page = chromium.new_page()
+            page.add_init_script(RECORD_TRACKS)
+            if script:
+                page.add_init_script(script)
+            if offer:
+                page.route("**/api/offer", _refuse_offer(*offer))
+            page.goto(f"{url}/")
+            assert page.is_hidden("#notice")
+            page.click("#call")
+            page.wait_for_selector("#notice", state="visible", timeout=CALL_TIMEOUT_MS)
+            shown = _notice(page)
+            shot = tmp_path / f"notice-{case}.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shown["what"].startswith(what), (shown, shot)
+            assert shown["fix"].startswith("Fix: ") and fix in shown["fix"], (shown, shot)
+            assert shown["kind"] == "error" and shown["status"].startswith(status), shown
+            assert not page.is_disabled("#call") and page.is_disabled("#hangup")
+            # Nothing is left open: a microphone opened for a refused call is stopped.
+            tracks = page.evaluate(MIC_STATE)["tracks"]
+            assert all(t["state"] == "ended" for t in tracks), tracks
         finally:
             chromium.close()
 

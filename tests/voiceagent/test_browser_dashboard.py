@@ -42,6 +42,9 @@ SEGMENTS = ("user_speech_ms", "vad_hangover_ms", "asr_final_ms", "transcript_to_
 # window (the tests above see only the real call), inside "last 7 d" and the store's retention.
 TOOL_CALL_ID = "tool-call"
 TOOLS = [ToolCall("lookup_order", 612.4, 87, ok=True), ToolCall("get_weather", 2500.0, 41, False)]
+# A hand-built call with speculation off under another config, two days old: the filters' other
+# choice in "last 7 d".
+OFF_CALL_ID, OFF_CONFIG = "off-call", "feedfacefeedface"
 CLOCKS = {
     "chart-clock1": lambda t: t["clocks"]["request_to_first_token_ms"],
     "chart-clock2": lambda t: t["clocks"]["itl_ms"]["p50"],
@@ -82,6 +85,7 @@ def stored_call(tmp_path_factory):
         shared.close()
     assert len(result.turns) == len(QUESTIONS), [t.user_text for t in result.turns]
     _store_tool_call(cfg)
+    _store_off_call(cfg)
     return tmp, result.call_id
 
 
@@ -94,6 +98,16 @@ def _store_tool_call(cfg) -> None:
     with_tools.tool_calls = TOOLS
     for record in (with_tools, plain):
         store.write(record)
+    store.flush()
+    store.close()
+
+
+def _store_off_call(cfg) -> None:
+    started = time.time() - 2 * 86400
+    store = open_store(cfg)
+    store.start_call(CallInfo(OFF_CALL_ID, "webrtc", started, "off", OFF_CONFIG))
+    for n in (1, 2):
+        store.write(make_turn(OFF_CALL_ID, n, started + n, method="off"))
     store.flush()
     store.close()
 
@@ -126,6 +140,11 @@ class Dashboard:
         """The window the page asked for, exactly as it sent it."""
         since = json.loads(self.page.get_attribute("#overview", "data-since"))
         return {} if since is None else {"since": since}
+
+    def params(self) -> dict:
+        """The window and the filters the page asked for."""
+        chosen = json.loads(self.page.get_attribute("#overview", "data-filters") or "{}")
+        return {**self.since(), **{k: v for k, v in chosen.items() if v is not None}}
 
     def expect(self, ok: bool, why: str) -> None:
         if ok:
@@ -224,11 +243,95 @@ def test_by_method_table_has_a_row_per_method_with_the_apis_numbers(dashboard):
     for method, figures in by_method.items():
         shown = dashboard.page.evaluate(METRICS, f'#by-method tr[data-method="{method}"]')
         for m in shown:
-            if m["metric"] == "itl_speedup":  # the page's ratio against "off"
+            if m["metric"].startswith("itl_speedup"):  # the page's ratio against "off"
                 continue
             want = _at(figures, m["metric"])
             dashboard.expect(m["value"] == want and _shown_as(want, m["metric"], m["text"]),
                              f"{method} {m['metric']}: page {m} api {want}")
+
+
+def _shown(dashboard, selector: str) -> dict:
+    return {m["metric"]: m for m in dashboard.page.evaluate(METRICS, selector)}
+
+
+def test_the_speed_up_shows_the_turns_it_is_over(chromium, server, tmp_path):
+    """In "last 7 d" both off and a speculative method have turns: each row's speed-up has its
+    own and off's sample sizes beside it, and the cards say how many turns they are over."""
+    url, log = server
+    d = Dashboard(chromium, url, log, tmp_path / "dashboard-samples.png")
+    d.page.goto(f"{url}/dashboard")
+    d.page.select_option("#window", "604800")
+    d.wait("""() => document.querySelector('#by-method tr[data-method="off"]') !== null""",
+           "no speculation-off row in the last 7 days")
+    by_method = d.api("/api/overview", **d.params())["by_method"]
+    off_turns = by_method["off"]["samples"]["itl_turns"]
+    d.expect(off_turns == 2 and len(by_method) >= 2, f"api by method: {list(by_method)}")
+    for method, figures in by_method.items():
+        shown = _shown(d, f'#by-method tr[data-method="{method}"]')
+        want = figures["samples"]["itl_turns"]
+        n = shown.get("samples.itl_turns")
+        d.expect(n is not None and n["value"] == want and n["text"] == str(want),
+                 f"{method}: sample size {n}, api {want}")
+        d.expect(shown["samples.mean_accepted_per_step"]["value"]
+                 == figures["samples"]["mean_accepted_per_step"], f"{method}: {shown}")
+        if method != "off":
+            vs = shown["itl_speedup_off_turns"]
+            d.expect(vs["value"] == off_turns and vs["text"] == str(off_turns),
+                     f"{method}: off's sample size {vs}, api {off_turns}")
+            cell = d.page.locator(f'#by-method tr[data-method="{method}"] '
+                                  '[data-metric="itl_speedup"]').locator("..").inner_text()
+            d.expect(f"({want} vs {off_turns} turns)" in cell, f"{method} speed-up: {cell!r}")
+    cards = _shown(d, "#overview")
+    overview = d.api("/api/overview", **d.params())
+    for key in ("turn_end_to_first_audio_ms", "itl_turns", "mean_accepted_per_step"):
+        d.expect(cards[f"samples.{key}"]["value"] == overview["samples"][key],
+                 f"card sample size {key}: {cards.get(f'samples.{key}')}")
+    d.page.screenshot(path=str(d.shot), full_page=True)
+    d.page.context.close()
+
+
+def test_filters_by_method_and_config_hash_narrow_the_page(chromium, server, stored_call,
+                                                          tmp_path):
+    _, call_id = stored_call
+    url, log = server
+    d = Dashboard(chromium, url, log, tmp_path / "dashboard-filters.png")
+    d.page.goto(f"{url}/dashboard")
+    d.page.select_option("#window", "604800")
+    real_config = d.api(f"/api/calls/{call_id}")["call"]["config_hash"]
+    d.wait(f"""() => document.querySelector('#filter-config option[value="{OFF_CONFIG}"]')
+                     && document.querySelector('#filter-method option[value="off"]')""",
+           "the filters never offered the off call's method and config")
+
+    def narrowed(method: str, config: str, calls: list[str], turns: int) -> None:
+        d.page.select_option("#filter-method", method)
+        d.page.select_option("#filter-config", config)
+        want = {k: v for k, v in (("method", method), ("config_hash", config)) if v}
+        d.wait("""([want, n]) => {
+          const o = document.getElementById("overview");
+          const f = JSON.parse(o.dataset.filters || "{}");
+          const t = o.querySelector('[data-metric="turns"]');
+          return (f.method || "") === (want.method || "")
+            && (f.config_hash || "") === (want.config_hash || "")
+            && t !== null && Number(t.dataset.value) === n;
+        }""", f"the page never showed {turns} turns for {want}", [want, turns])
+        params = d.params()
+        d.expect({k: params.get(k) for k in want} == want, f"the page asked for {params}")
+        api = d.api("/api/overview", **params)
+        for m in _shown(d, "#overview").values():
+            d.expect(m["value"] == _at(api, m["metric"]), f"{want}: {m} != api")
+        listed = d.page.eval_on_selector_all(
+            "#calls tr[data-call-id]", "(rows) => rows.map((r) => r.dataset.callId)")
+        d.expect(sorted(listed) == sorted(calls), f"{want}: calls {listed}, want {calls}")
+        plotted = sum(len(t["y"]) for t in d.page.evaluate(CHART_DATA, "chart-clock3"))
+        d.expect(plotted == turns, f"{want}: {plotted} turns plotted, want {turns}")
+
+    everything = d.api("/api/overview", since=time.time() - 604800)["turns"]
+    narrowed("off", "", [OFF_CALL_ID], 2)
+    narrowed("", real_config, [call_id], len(QUESTIONS))
+    narrowed("off", real_config, [], 0)
+    narrowed("", "", [call_id, TOOL_CALL_ID, OFF_CALL_ID], everything)
+    d.page.screenshot(path=str(d.shot), full_page=True)
+    d.page.context.close()
 
 
 def test_clock_charts_plot_each_turns_clocks(dashboard):

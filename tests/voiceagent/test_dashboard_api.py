@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, twilio_url
 from tests.voiceagent.turns import make_turn
-from voiceagent.dashboard.stats import overview
+from voiceagent.dashboard.stats import overview, speculation
 from voiceagent.dashboard.store import CallInfo
 from voiceagent.pipeline.turn_record import Breakdown, Preparation, ToolCall, TurnRecord
 from voiceagent.server.app import create_app
@@ -50,7 +50,7 @@ async def test_overview_is_the_stats_of_the_stored_turns(tmp_path):
         got = (await http.get("/api/overview")).json()
         recent = (await http.get("/api/overview", params={"since": 1300})).json()
     expected = json.loads(json.dumps(overview([r.to_dict() for r in records])))  # as JSON
-    assert got == {"since": None, **expected}
+    assert got == {"since": None, "method": None, "config_hash": None, **expected}
     assert set(got["by_method"]) == {"off", "ngram"}
     assert recent["turns"] == 4 and recent["calls"] == 2
 
@@ -230,3 +230,100 @@ async def test_metrics_count_tool_calls_by_tool_and_outcome_and_time_them(tmp_pa
     assert samples[seconds] == pytest.approx(2 * (0.6125 + 2.5))
     assert samples[("voiceagent_tool_call_seconds_count", (("tool", "lookup_order"),))] == 4
     assert ("voiceagent_tool_call_seconds_count", (("tool", "get_weather"),)) not in samples
+
+
+def _fill_configs(app) -> list:
+    """Four calls: even ones under config "aaa" with speculation off, odd ones under "bbb" with
+    ngram; two turns each."""
+    server = app.state.server
+    records = []
+    for c in range(4):
+        call_id, method = f"call{c}", ("off", "ngram")[c % 2]
+        server.store.start_call(CallInfo(call_id, "twilio", 1000.0 + 100 * c, method,
+                                         ("aaa", "bbb")[c % 2]))
+        for t in (1, 2):
+            record = make_turn(call_id, t, 1000.0 + 100 * c + t, method=method,
+                               clock3_ms=800.0 + 10 * c + t)
+            server.records.add(record)
+            records.append(record)
+    server.store.flush()
+    return records
+
+
+def _as_json(x):
+    return json.loads(json.dumps(x))
+
+
+async def test_filters_by_method_and_config_hash_narrow_every_view(tmp_path):
+    app = _app(tmp_path)
+    records = _fill_configs(app)
+    dicts = [r.to_dict() for r in records]
+    of = lambda pred: [d for d in dicts if pred(d)]  # noqa: E731
+    off = of(lambda d: d["engine"]["method"] == "off")
+    under_bbb = of(lambda d: d["call_id"] in ("call1", "call3"))
+    async with _client(app) as http:
+        async def get(path, **params):
+            response = await http.get(path, params=params)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        assert (await get("/api/turns", method="off"))["turns"] == off
+        assert (await get("/api/turns", config_hash="bbb"))["turns"] == under_bbb
+        assert (await get("/api/turns", config_hash="bbb", limit=3))["turns"] == under_bbb[-3:]
+        assert (await get("/api/turns", method="off", config_hash="bbb"))["turns"] == []
+        recent = await get("/api/turns", since=1150, config_hash="aaa")
+        assert [t["call_id"] for t in recent["turns"]] == ["call2", "call2"]
+        ov = await get("/api/overview", method="ngram", config_hash="bbb")
+        assert ov == {"since": None, "method": "ngram", "config_hash": "bbb",
+                      **_as_json(overview(under_bbb))}
+        assert ov["turns"] == 4 and set(ov["by_method"]) == {"ngram"}
+        assert (await get("/api/speculation", config_hash="aaa")) == _as_json(speculation(off))
+        assert (await get("/api/overview", config_hash="nope"))["turns"] == 0
+
+        calls = await get("/api/calls", config_hash="aaa", limit=1)
+        assert [c["call_id"] for c in calls["calls"]] == ["call2"]
+        older = await get("/api/calls", config_hash="aaa", limit=1, before=calls["next_before"])
+        assert [c["call_id"] for c in older["calls"]] == ["call0"]
+        assert older["next_before"] is None
+        assert [c["call_id"] for c in (await get("/api/calls", method="ngram"))["calls"]] == [
+            "call3", "call1"]
+
+        choices = await get("/api/filters")
+        recent_choices = await get("/api/filters", since=1150)
+    assert choices["methods"] == [{"method": "off", "turns": 4}, {"method": "ngram", "turns": 4}]
+    assert choices["config_hashes"] == [{"config_hash": "aaa", "turns": 4, "calls": 2},
+                                        {"config_hash": "bbb", "turns": 4, "calls": 2}]
+    assert recent_choices["config_hashes"] == [{"config_hash": "aaa", "turns": 2, "calls": 1},
+                                               {"config_hash": "bbb", "turns": 2, "calls": 1}]
+
+
+@pytest.mark.parametrize("params", [{"method": ""}, {"config_hash": ""}, {"method": "x" * 65}])
+async def test_empty_or_overlong_filters_are_422(tmp_path, params):
+    async with _client(_app(tmp_path)) as http:
+        for path in ("/api/overview", "/api/turns", "/api/calls"):
+            assert (await http.get(path, params=params)).status_code == 422, path
+
+
+async def test_the_filters_need_the_token_when_set(tmp_path):
+    async with _client(_app(tmp_path, "server.token=s3cret")) as http:
+        assert (await http.get("/api/filters")).status_code == 401
+
+
+async def test_overview_says_how_many_turns_each_figure_is_over(tmp_path):
+    app = _app(tmp_path)
+    _fill(app, calls=2, turns=2)  # call0 off, call1 ngram; call0's first turn interrupted
+    server = app.state.server
+    unmeasured = make_turn("call9", 1, 2000.0)
+    unmeasured.clocks.turn_end_to_first_audio_ms = None
+    unmeasured.engine = {"method": "ngram"}  # no ITL, no acceptance
+    server.records.add(unmeasured)
+    server.store.flush()
+    async with _client(app) as http:
+        ov = (await http.get("/api/overview")).json()
+    assert ov["samples"] == {"turn_end_to_first_audio_ms": 4, "request_to_first_token_ms": 5,
+                             "itl_turns": 4, "itl_gaps": 12, "mean_accepted_per_step": 2,
+                             "barge_in_to_silence_ms": 1}
+    assert ov["by_method"]["off"]["samples"]["itl_turns"] == 2
+    assert ov["by_method"]["ngram"]["samples"] == {
+        "turn_end_to_first_audio_ms": 2, "request_to_first_token_ms": 3, "itl_turns": 2,
+        "itl_gaps": 6, "mean_accepted_per_step": 2, "barge_in_to_silence_ms": 0}

@@ -12,6 +12,7 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | `GET /api/overview?since=` | `stats.overview` of the turns started at or after `since` (unix s) |
 | `GET /api/turns?since=&limit=` | `{"turns": [...]}`: the newest `limit` records, oldest first |
 | `GET /api/speculation?since=` | `stats.speculation` of those turns |
+| `GET /api/filters?since=` | `stats.facets`: the methods and config hashes there are to filter by |
 | `GET /api/calls?since=&before=&limit=` | `{"calls": [...], "next_before": t}`, newest first (1) |
 | `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...]}`; 404 for an unknown id |
 | `GET /api/pair-card` | the running pair's card (seed 001); 503 while models load (2) |
@@ -22,6 +23,11 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 
 (1) The next page: `before=next_before`; `next_before` is null on the last page.
 (2) 404 when the LLM is a remote server: the pair runs there.
+
+Filters: `/api/overview`, `/api/turns`, `/api/speculation` and `/api/calls` also take `method`
+(the speculation method: a turn's, or for `/api/calls` the call's) and `config_hash` (the hash of
+the config its call ran under, as the store records per call). Filtered turns are those among
+the newest `store.max_dashboard_turns` of the window.
 
 Bad parameters (a negative `since`, `limit` outside 1..500 or 1..10000) are 422 with the reason.
 """
@@ -36,7 +42,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from voiceagent.dashboard.stats import overview, speculation
+from voiceagent.dashboard.stats import facets, matching, overview, speculation
 from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.server.auth import authorized
 from voiceagent.server.state import ServerState
@@ -45,6 +51,8 @@ from voiceagent.urls import redact
 STATIC = Path(__file__).resolve().parent.parent / "server" / "static"
 KEEPALIVE_S = 15.0
 COUNTERS_MAX_AGE_S = 10.0  # a remote LLM's speculation counters, read once for every dashboard
+CALLS_BATCH = 500  # calls read at a time while filtering the calls list
+CALLS_SCAN = 1_000_000  # the most calls read to find the config hashes of a window's turns
 
 
 def _server(request: Request) -> ServerState:
@@ -61,6 +69,10 @@ def _authorized(request: Request) -> ServerState:
 router = APIRouter(dependencies=[Depends(_authorized)])
 public = APIRouter()
 Since = Query(None, ge=0, description="unix seconds; only turns/calls started at or after it")
+Method = Query(None, min_length=1, max_length=64,
+               description="only turns (calls) of this speculation method")
+ConfigHash = Query(None, min_length=1, max_length=128,
+                   description="only turns (calls) of calls run under this config hash")
 
 
 @public.get("/dashboard", include_in_schema=False)
@@ -78,37 +90,99 @@ async def plotly_js():
     return FileResponse(path, media_type="text/javascript")
 
 
-async def _off_loop(request: Request, summary, since: float | None,
-                    limit: int | None = None) -> dict:
-    """`summary` of the newest turns since `since` (at most `limit` and
-    `store.max_dashboard_turns`), read and computed on a worker thread: the event loop carries
-    live audio."""
+def _config_hashes(server: ServerState, turns: list[dict]) -> dict[str, str | None]:
+    """Call id -> config hash, for the calls of `turns`. A call starts before its turns, by at
+    most `server.max_call_s` (a minute's slack for simulated calls)."""
+    if not turns:
+        return {}
+    earliest = min(t["started_at"] for t in turns) - server.cfg.server.max_call_s - 60.0
+    ids = {t["call_id"] for t in turns}
+    return {c["call_id"]: c.get("config_hash")
+            for c in server.store.calls(earliest, None, CALLS_SCAN) if c["call_id"] in ids}
+
+
+def _turns(server: ServerState, since: float | None, limit: int | None,
+           method: str | None = None, config_hash: str | None = None) -> list[dict]:
+    """The newest turns since `since` (at most `limit` and `store.max_dashboard_turns`) of
+    `method` and `config_hash` (None: any), oldest first. Blocking: call it off the loop."""
+    cap = server.cfg.store.max_dashboard_turns
+    limit = min(limit or cap, cap)
+    if method is None and config_hash is None:
+        return server.store.turns(since, limit)
+    turns = server.store.turns(since, cap)
+    call_ids = None
+    if config_hash is not None:
+        hashes = _config_hashes(server, turns)
+        call_ids = {call_id for call_id, h in hashes.items() if h == config_hash}
+    return matching(turns, method, call_ids)[-limit:]
+
+
+async def _off_loop(request: Request, summary, since: float | None, limit: int | None = None,
+                    method: str | None = None, config_hash: str | None = None) -> dict:
+    """`summary` of the turns `_turns` picks, read and computed on a worker thread: the event
+    loop carries live audio."""
     server = _server(request)
-    limit = min(limit or server.cfg.store.max_dashboard_turns, server.cfg.store.max_dashboard_turns)
-    return await asyncio.to_thread(lambda: summary(server.store.turns(since, limit)))
+    return await asyncio.to_thread(
+        lambda: summary(_turns(server, since, limit, method, config_hash)))
 
 
 @router.get("/api/overview")
-async def api_overview(request: Request, since: float | None = Since):
-    return {"since": since, **await _off_loop(request, overview, since)}
+async def api_overview(request: Request, since: float | None = Since,
+                       method: str | None = Method, config_hash: str | None = ConfigHash):
+    return {"since": since, "method": method, "config_hash": config_hash,
+            **await _off_loop(request, overview, since, None, method, config_hash)}
 
 
 @router.get("/api/turns")
 async def api_turns(request: Request, since: float | None = Since,
-                    limit: int = Query(2000, ge=1, le=10000)):
-    return await _off_loop(request, lambda turns: {"turns": turns}, since, limit)
+                    limit: int = Query(2000, ge=1, le=10000),
+                    method: str | None = Method, config_hash: str | None = ConfigHash):
+    return await _off_loop(request, lambda turns: {"turns": turns}, since, limit, method,
+                           config_hash)
 
 
 @router.get("/api/speculation")
-async def api_speculation(request: Request, since: float | None = Since):
-    return await _off_loop(request, speculation, since)
+async def api_speculation(request: Request, since: float | None = Since,
+                          method: str | None = Method, config_hash: str | None = ConfigHash):
+    return await _off_loop(request, speculation, since, None, method, config_hash)
+
+
+@router.get("/api/filters")
+async def api_filters(request: Request, since: float | None = Since):
+    """The choices the filters offer in the window, each with how many turns it keeps."""
+    server = _server(request)
+
+    def read() -> dict:
+        turns = _turns(server, since, None)
+        return {"since": since, **facets(turns, _config_hashes(server, turns))}
+
+    return await asyncio.to_thread(read)
+
+
+def _filtered_calls(server: ServerState, since: float | None, before: float | None, limit: int,
+                    method: str | None, config_hash: str | None) -> list[dict]:
+    """At most `limit` calls started in [since, before) of `method` and `config_hash`, newest
+    first, read a batch at a time."""
+    if method is None and config_hash is None:
+        return server.store.calls(since, before, limit)
+    found: list[dict] = []
+    while len(found) < limit:
+        batch = server.store.calls(since, before, CALLS_BATCH)
+        found += [c for c in batch if (method is None or c.get("method") == method)
+                  and (config_hash is None or c.get("config_hash") == config_hash)]
+        if len(batch) < CALLS_BATCH:
+            break
+        before = batch[-1]["started_at"]
+    return found[:limit]
 
 
 @router.get("/api/calls")
 async def api_calls(request: Request, since: float | None = Since,
                     before: float | None = Query(None, ge=0, description="page cursor"),
-                    limit: int = Query(50, ge=1, le=500)):
-    calls = await asyncio.to_thread(_server(request).store.calls, since, before, limit + 1)
+                    limit: int = Query(50, ge=1, le=500),
+                    method: str | None = Method, config_hash: str | None = ConfigHash):
+    calls = await asyncio.to_thread(_filtered_calls, _server(request), since, before, limit + 1,
+                                    method, config_hash)
     more = len(calls) > limit
     calls = calls[:limit]
     return {"calls": calls, "next_before": calls[-1]["started_at"] if more else None}
@@ -166,7 +240,7 @@ async def api_events(request: Request):
             while not await request.is_disconnected():
                 try:
                     yield await asyncio.wait_for(queue.get(), KEEPALIVE_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     yield ": keepalive\n\n"
         finally:
             hub.unsubscribe(queue)

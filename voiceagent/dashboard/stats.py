@@ -36,6 +36,7 @@ def summarise(turns: list[dict]) -> dict:
     barge = values(lambda r: r.barge_in_to_silence_ms)
     accepted = values(lambda r: r.engine.get("mean_accepted_per_step"))
     interrupted = sum(r.interrupted for r in records)
+    itl_turns = sum(bool(r.engine.get("itl_ms")) for r in records)
     return {
         "turns": len(records),
         "calls": len({r.call_id for r in records}),
@@ -49,6 +50,16 @@ def summarise(turns: list[dict]) -> dict:
         "breakdown_p50_ms": {k: percentile(values(lambda r, k=k: getattr(r.breakdown, k)), 50)
                              for k in BREAKDOWN},
         "preparation": preparation(records),
+        # How many turns each figure is over (a clock not measured in a turn leaves it out);
+        # ITL pools gaps, so its turns and its gaps both.
+        "samples": {
+            "turn_end_to_first_audio_ms": len(clock3),
+            "request_to_first_token_ms": len(clock1),
+            "itl_turns": itl_turns,
+            "itl_gaps": len(itl),
+            "mean_accepted_per_step": len(accepted),
+            "barge_in_to_silence_ms": len(barge),
+        },
     }
 
 
@@ -99,6 +110,34 @@ def by_method(turns: list[dict]) -> dict[str, list[dict]]:
     for t in turns:
         groups.setdefault(method_of(t), []).append(t)
     return {m: groups[m] for m in ordered(groups)}
+
+
+def matching(turns: list[dict], method: str | None = None,
+             call_ids: set[str] | None = None) -> list[dict]:
+    """The turns of one speculation method and/or of some calls (None: any)."""
+    return [t for t in turns if (method is None or method_of(t) == method)
+            and (call_ids is None or t.get("call_id") in call_ids)]
+
+
+def facets(turns: list[dict], config_hashes: dict[str, str | None]) -> dict:
+    """What the turns can be filtered by, with how many turns each choice keeps: their methods,
+    and the config hashes of their calls (`config_hashes`: call id -> hash; calls without one
+    are left out)."""
+    methods: dict[str, int] = {}
+    hashes: dict[str, dict] = {}
+    for t in turns:
+        m = method_of(t)
+        methods[m] = methods.get(m, 0) + 1
+        h = config_hashes.get(t.get("call_id"))
+        if h:
+            entry = hashes.setdefault(h, {"config_hash": h, "turns": 0, "calls": set()})
+            entry["turns"] += 1
+            entry["calls"].add(t.get("call_id"))
+    return {
+        "methods": [{"method": m, "turns": methods[m]} for m in ordered(methods)],
+        "config_hashes": [{**e, "calls": len(e["calls"])} for e in
+                          sorted(hashes.values(), key=lambda e: (-e["turns"], e["config_hash"]))],
+    }
 
 
 def overview(turns: list[dict]) -> dict:

@@ -1,7 +1,12 @@
 """Browser calls: SmallWebRTC signalling on `POST /api/offer` (new call or renegotiation) and
 `PATCH /api/offer` (trickled ICE candidates), and the call's pipeline on pipecat's
 SmallWebRTCTransport. The page talks RTVI over the data channel: pipecat's RTVI observer sends the
-live transcript and the bot's words; after each turn we add its clocks as an RTVI server message.
+live transcript and the bot's words; after each turn we add its clocks, speculation figures and
+tool calls as an RTVI server message, and before the server ends a call, why.
+
+`GET /api/ice` gives the page the STUN/TURN servers (`server.ice_servers`) for its
+RTCPeerConnection, behind the same token as the offer (a TURN server's credential is in it); the
+server's own peer connections use the same list.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from fastapi import APIRouter, HTTPException, Request
 from loguru import logger
 from pipecat.processors.frameworks.rtvi import RTVIServerMessageFrame
 from pipecat.transports.base_transport import TransportParams
-from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
+from pipecat.transports.smallwebrtc.connection import IceServer, SmallWebRTCConnection
 from pipecat.transports.smallwebrtc.request_handler import (
     IceCandidate,
     SmallWebRTCPatchRequest,
@@ -31,6 +36,7 @@ from voiceagent.server.state import ServerState
 
 IN_RATE = 16000  # VAD and Whisper's rate; the transport resamples the browser's 48 kHz
 OUT_RATE = 24000
+END_NOTICE_S = 0.5  # the page's "the server ended the call: why" goes out before the end
 
 router = APIRouter()
 
@@ -39,6 +45,42 @@ async def _checked_body(request: Request, server: ServerState) -> dict:
     if not authorized(request, server.cfg.server.token):
         raise HTTPException(401, "unauthorized: missing or wrong token")
     return await json_object(request, server.cfg.server.max_message_bytes)
+
+
+def ice_servers(cfg) -> list[dict]:
+    """`server.ice_servers` as the browser's RTCIceServer dicts: {urls, username?, credential?}.
+    An entry may be a URL string, a dict or a config model; `urls` a URL or a list of them."""
+    out = []
+    for entry in getattr(cfg.server, "ice_servers", None) or []:
+        if isinstance(entry, str):
+            entry = {"urls": entry}
+        elif hasattr(entry, "model_dump"):
+            entry = entry.model_dump()
+        urls = entry.get("urls")
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            continue
+        server = {"urls": list(urls)}
+        for key in ("username", "credential"):
+            if entry.get(key):
+                server[key] = entry[key]
+        out.append(server)
+    return out
+
+
+def _aiortc_ice_servers(servers: list[dict]) -> list[IceServer]:
+    return [IceServer(urls=s["urls"], username=s.get("username"),
+                      credential=s.get("credential")) for s in servers]
+
+
+@router.get("/api/ice")
+async def ice(request: Request):
+    """The page's ICE servers; [] when none are configured (host candidates: same network)."""
+    server: ServerState = request.app.state.server
+    if not authorized(request, server.cfg.server.token):
+        raise HTTPException(401, "unauthorized: missing or wrong token")
+    return {"ice_servers": ice_servers(server.cfg)}
 
 
 @router.post("/api/offer")
@@ -65,6 +107,8 @@ async def offer(request: Request):
         raise HTTPException(503, str(exc), headers={"Retry-After": "10"}) from None
 
     connections: list[SmallWebRTCConnection] = []
+    # The server's side gathers its candidates with the same STUN/TURN servers as the page.
+    server.webrtc.update_ice_servers(_aiortc_ice_servers(ice_servers(server.cfg)))
 
     async def start(connection: SmallWebRTCConnection) -> None:
         connections.append(connection)
@@ -142,7 +186,14 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
 
     def on_end(reason: str) -> None:
         logger.info(f"webrtc call {call.call_id}: {reason}")
-        server.calls.spawn(pipeline.task.cancel())
+        server.calls.spawn(end(reason))
+
+    async def end(reason: str) -> None:
+        """Tell the page why, then end the call."""
+        await pipeline.task.queue_frame(
+            RTVIServerMessageFrame(data={"type": "call-ended", "reason": reason}))
+        await asyncio.sleep(END_NOTICE_S)
+        await pipeline.task.cancel()
 
     limits = server.cfg.server
     pipeline = build_call(
@@ -161,7 +212,10 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
 
 
 def turn_message(record: TurnRecord) -> dict:
-    """The RTVI server-message the call page shows after each turn."""
+    """The RTVI server-message the call page shows after each turn: its words, clocks, the
+    speculation that answered it (None where the engine did not measure a figure, e.g. a remote
+    LLM's) and its tool calls."""
+    engine = record.engine
     return {
         "type": "turn",
         "turn": record.turn,
@@ -170,4 +224,13 @@ def turn_message(record: TurnRecord) -> dict:
         "interrupted": record.interrupted,
         "clocks": asdict(record.clocks),
         "barge_in_to_silence_ms": record.barge_in_to_silence_ms,
+        "speculation": {
+            "method": engine.get("method"),
+            "mean_accepted_per_step": engine.get("mean_accepted_per_step"),
+            "acceptance_rate": engine.get("acceptance_rate"),
+            "tokens_per_s": engine.get("tokens_per_s"),
+            "generated_tokens": engine.get("generated_tokens"),
+        },
+        "tool_calls": [{"name": c.name, "duration_ms": c.duration_ms, "ok": c.ok,
+                        "outcome": c.outcome} for c in record.tool_calls],
     }

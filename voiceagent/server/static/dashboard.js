@@ -32,18 +32,20 @@ const SEGMENTS = [
   ["chunk_to_audio_ms", "to audio", "#116329"],
 ];
 
-// Overview cards: [data-metric path, label, format].
+// Overview cards: title, [data-metric path, label, format], and the path of the card's sample
+// size (how many turns its figures are over), if it has one.
 const OVERVIEW = [
   ["Traffic", [["calls", "calls", "count"], ["turns", "turns", "count"],
     ["interrupted_share", "interrupted", "pct"]]],
   ["Turn end → first audio", [["turn_end_to_first_audio_ms.p50", "p50", "ms"],
     ["turn_end_to_first_audio_ms.p95", "p95", "ms"],
-    ["turn_end_to_first_audio_ms.p99", "p99", "ms"]]],
+    ["turn_end_to_first_audio_ms.p99", "p99", "ms"]], "samples.turn_end_to_first_audio_ms"],
   ["Request → first token", [["request_to_first_token_ms.p50", "p50", "ms"],
-    ["request_to_first_token_ms.p95", "p95", "ms"]]],
+    ["request_to_first_token_ms.p95", "p95", "ms"]], "samples.request_to_first_token_ms"],
   ["Inter-token latency", [["itl_ms.p50", "p50", "ms"], ["itl_ms.p95", "p95", "ms"],
-    ["itl_ms.p99", "p99", "ms"]]],
-  ["Speculation", [["mean_accepted_per_step", "accepted tokens / step", "x2"]]],
+    ["itl_ms.p99", "p99", "ms"]], "samples.itl_turns"],
+  ["Speculation", [["mean_accepted_per_step", "accepted tokens / step", "x2"]],
+    "samples.mean_accepted_per_step"],
   ["Early preparation", [["preparation.committed", "committed", "count"],
     ["preparation.discarded", "discarded", "count"],
     ["preparation.wasted_tokens_share", "wasted tokens", "pct"],
@@ -229,6 +231,44 @@ function throttled(step) {
 function since() {
   const v = $("window").value;
   return v === "all" ? null : Date.now() / 1000 - Number(v);
+}
+
+// ---- filters: by speculation method and by config hash ----------------------------------------
+
+// The API's filter parameters as chosen (null: all).
+function filters() {
+  return {
+    method: $("filter-method").value || null,
+    config_hash: $("filter-config").value || null,
+  };
+}
+
+// A select's options from the window's choices; a chosen value stays, with none left in it.
+function fillSelect(select, choices) {
+  const chosen = select.value;
+  const options = [el("option", { value: "", text: "all" })];
+  for (const [value, label] of choices) options.push(el("option", { value, text: label }));
+  if (chosen && !choices.some(([value]) => value === chosen)) {
+    options.push(el("option", { value: chosen, text: `${chosen} (none in this window)` }));
+  }
+  select.replaceChildren(...options);
+  select.value = chosen;
+}
+
+function plural(n, word) {
+  return `${n} ${word}${n === 1 ? "" : "s"}`;
+}
+
+function renderFilters(f) {
+  fillSelect($("filter-method"), (f.methods || []).map((m) =>
+    [m.method, `${m.method} (${plural(m.turns, "turn")})`]));
+  fillSelect($("filter-config"), (f.config_hashes || []).map((h) =>
+    [h.config_hash, `${shortHash(h.config_hash)} (${plural(h.calls, "call")}, ` +
+      `${plural(h.turns, "turn")})`]));
+}
+
+function shortHash(h) {
+  return h && h.length > 12 ? h.slice(0, 12) : h || "–";
 }
 
 // ---- charts -----------------------------------------------------------------------------------
@@ -434,11 +474,19 @@ function renderWaterfall(turns) {
 
 // ---- overview and the A/B table ---------------------------------------------------------------
 
-function renderOverview(ov, windowSince) {
+// "n = 12": how many turns a figure is over; data-metric `path` for the number alone.
+function sampleSize(path, v) {
+  return el("span", { class: "n", title: "turns this figure is over" }, "n = ",
+    metric("span", path, v, "count"));
+}
+
+function renderOverview(ov, windowSince, chosen) {
   const box = $("overview");
   box.dataset.since = JSON.stringify(windowSince);
-  box.replaceChildren(...OVERVIEW.map(([title, items]) => el("div", { class: "card" },
-    el("h3", { text: title }),
+  box.dataset.filters = JSON.stringify(chosen);
+  box.replaceChildren(...OVERVIEW.map(([title, items, samples]) => el("div", { class: "card" },
+    el("h3", {}, title, samples ? " " : null,
+      samples ? sampleSize(samples, get(ov, samples)) : null),
     el("dl", {}, ...items.flatMap(([path, label, kind]) => [
       el("dt", { text: label }),
       el("dd", {}, metric("span", path, get(ov, path), kind),
@@ -457,14 +505,45 @@ function renderByMethod(byMethod) {
     return;
   }
   const offItl = get(byMethod, "off.itl_ms.p50");
+  const offTurns = get(byMethod, "off.samples.itl_turns");
   body.replaceChildren(...methods.map((m) => {
     const row = { ...byMethod[m] };
     const itl = get(row, "itl_ms.p50");
     row.itl_speedup = isNum(offItl) && isNum(itl) && itl > 0 ? offItl / itl : null;
     return el("tr", { "data-method": m },
       el("th", { scope: "row" }, swatch(m), m),
-      ...BY_METHOD.map(([path, kind]) => metric("td", path, get(row, path), kind)));
+      ...BY_METHOD.map(([path, kind]) => {
+        if (path === "itl_speedup") return speedupCell(m, row, offTurns);
+        if (path === "mean_accepted_per_step") {
+          return el("td", { class: "num" }, metric("span", path, get(row, path), kind),
+            el("br"), sampleSize("samples.mean_accepted_per_step",
+              get(row, "samples.mean_accepted_per_step")));
+        }
+        return metric("td", path, get(row, path), kind);
+      }));
   }));
+}
+
+// The speed-up, and beside it the turns it is over: this method's and off's.
+function speedupCell(m, row, offTurns) {
+  const turns = get(row, "samples.itl_turns");
+  const gaps = get(row, "samples.itl_gaps");
+  const cell = el("td", {
+    class: "num",
+    title: `ITL p50 over ${turns ?? 0} turns (${gaps ?? 0} gaps) of ${m}` +
+      (isNum(offTurns) ? `, against ${offTurns} turns of off` : ", no turns of off to compare"),
+  }, metric("span", "itl_speedup", row.itl_speedup, "speedup"), el("br"));
+  const n = el("span", { class: "n" }, "(", metric("span", "samples.itl_turns", turns, "count"));
+  if (m !== "off") {
+    n.append(" vs ", el("span", {
+      "data-metric": "itl_speedup_off_turns",
+      "data-value": JSON.stringify(isNum(offTurns) ? offTurns : null),
+      text: isNum(offTurns) ? String(offTurns) : "no off",
+    }));
+  }
+  n.append(" turns)");
+  cell.append(n);
+  return cell;
 }
 
 // ---- calls list and one call's turns ----------------------------------------------------------
@@ -475,7 +554,7 @@ function renderCalls() {
   const body = $("calls").querySelector("tbody");
   if (!calls.rows.length) {
     body.replaceChildren(el("tr", {}, el("td", {
-      colspan: 7, class: "empty", text: "no calls in this window",
+      colspan: 8, class: "empty", text: "no calls in this window",
     })));
   } else {
     body.replaceChildren(...calls.rows.map((c) => {
@@ -485,6 +564,8 @@ function renderCalls() {
         el("td", {}, el("code", { text: c.call_id })),
         el("td", { text: c.kind || "–" }),
         el("td", {}, swatch(c.method), c.method || "–"),
+        el("td", { title: c.config_hash || "no config hash recorded" },
+          el("code", { text: shortHash(c.config_hash) })),
         el("td", { class: "num", text: String(c.turns ?? "–") }),
         el("td", { class: "num", text: String(c.interrupted_turns ?? "–") }),
         el("td", { class: "num", text: fmtDuration(c) }));
@@ -496,7 +577,7 @@ function renderCalls() {
 // The newest calls, as many as are shown: a live refresh must not undo "Older calls".
 function fetchCalls(s) {
   const limit = Math.min(MAX_CALLS, Math.max(PAGE, calls.rows.length));
-  return api("/api/calls", { since: s, limit });
+  return api("/api/calls", { since: s, limit, ...filters() });
 }
 
 function applyCalls(page) {
@@ -510,7 +591,9 @@ async function refreshCalls() {
 }
 
 async function olderCalls() {
-  const r = await api("/api/calls", { since: since(), before: calls.nextBefore, limit: PAGE });
+  const r = await api("/api/calls", {
+    since: since(), before: calls.nextBefore, limit: PAGE, ...filters(),
+  });
   const seen = new Set(calls.rows.map((c) => c.call_id));
   calls.rows.push(...r.calls.filter((c) => !seen.has(c.call_id)));
   calls.nextBefore = r.next_before;
@@ -635,14 +718,17 @@ let generation = 0; // bumped by each full refresh: a slower, older one must not
 async function refreshAll() {
   const mine = ++generation;
   const s = since();
-  const [ov, turns, spec, page] = await Promise.all([
-    api("/api/overview", { since: s }),
-    api("/api/turns", { since: s, limit: TURNS_LIMIT }),
-    api("/api/speculation", { since: s }),
+  const chosen = filters();
+  const [ov, turns, spec, page, choices] = await Promise.all([
+    api("/api/overview", { since: s, ...chosen }),
+    api("/api/turns", { since: s, limit: TURNS_LIMIT, ...chosen }),
+    api("/api/speculation", { since: s, ...chosen }),
     fetchCalls(s),
+    api("/api/filters", { since: s }),
   ]);
   if (mine !== generation) return;
-  renderOverview(ov, s); // the tables first: they need no charting library
+  renderFilters(choices);
+  renderOverview(ov, s, chosen); // the tables first: they need no charting library
   renderByMethod(ov.by_method);
   applyCalls(page);
   renderClocks(turns.turns);
@@ -708,11 +794,13 @@ function onChartClick(data) {
 }
 
 function start() {
-  $("window").addEventListener("change", () => {
-    calls.rows = [];
-    calls.nextBefore = null;
-    run(refreshAll);
-  });
+  for (const id of ["window", "filter-method", "filter-config"]) {
+    $(id).addEventListener("change", () => {
+      calls.rows = [];
+      calls.nextBefore = null;
+      run(refreshAll);
+    });
+  }
   $("calls").addEventListener("click", onCallsClick);
   $("calls").addEventListener("keydown", (e) => {
     if (e.key === "Enter" || e.key === " ") {
