@@ -327,3 +327,25 @@ async def test_overview_says_how_many_turns_each_figure_is_over(tmp_path):
     assert ov["by_method"]["ngram"]["samples"] == {
         "turn_end_to_first_audio_ms": 2, "request_to_first_token_ms": 3, "itl_turns": 2,
         "itl_gaps": 6, "mean_accepted_per_step": 2, "barge_in_to_silence_ms": 0}
+
+
+async def test_a_call_is_listed_under_its_turns_methods_too(tmp_path):
+    """A call of method ngram whose tool turn was decoded as grammar+ngram is a call of both."""
+    app = _app(tmp_path)
+    server = app.state.server
+    server.store.start_call(CallInfo("tools", "webrtc", 1000.0, "ngram", "aaa"))
+    server.records.add(make_turn("tools", 1, 1001.0, method="grammar+ngram"))
+    server.records.add(make_turn("tools", 2, 1002.0, method="ngram"))
+    server.store.start_call(CallInfo("plain", "webrtc", 1100.0, "ngram", "aaa"))
+    server.records.add(make_turn("plain", 1, 1101.0, method="ngram"))
+    server.store.flush()
+    async with _client(app) as http:
+        async def listed(**params) -> list[str]:
+            return [c["call_id"] for c in (await http.get("/api/calls", params=params)).json()[
+                "calls"]]
+
+        assert await listed(method="grammar+ngram") == ["tools"]
+        assert await listed(method="ngram") == ["plain", "tools"]
+        assert await listed(method="grammar+ngram", config_hash="bbb") == []
+        turns = (await http.get("/api/turns", params={"method": "grammar+ngram"})).json()
+    assert [(t["call_id"], t["turn"]) for t in turns["turns"]] == [("tools", 1)]

@@ -25,9 +25,10 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 (2) 404 when the LLM is a remote server: the pair runs there.
 
 Filters: `/api/overview`, `/api/turns`, `/api/speculation` and `/api/calls` also take `method`
-(the speculation method: a turn's, or for `/api/calls` the call's) and `config_hash` (the hash of
-the config its call ran under, as the store records per call). Filtered turns are those among
-the newest `store.max_dashboard_turns` of the window.
+(the speculation method: a turn's; for `/api/calls`, a call's, or that of any of its turns, as a
+call of method ngram has grammar+ngram turns where a tool call was decoded) and `config_hash`
+(the hash of the config its call ran under, as the store records per call). Filtered turns are
+those among the newest `store.max_dashboard_turns` of the window.
 
 Bad parameters (a negative `since`, `limit` outside 1..500 or 1..10000) are 422 with the reason.
 """
@@ -161,15 +162,25 @@ async def api_filters(request: Request, since: float | None = Since):
 
 def _filtered_calls(server: ServerState, since: float | None, before: float | None, limit: int,
                     method: str | None, config_hash: str | None) -> list[dict]:
-    """At most `limit` calls started in [since, before) of `method` and `config_hash`, newest
+    """At most `limit` calls started in [since, before) of `method` (the call's, or one of its
+    turns' among the window's newest `store.max_dashboard_turns`) and `config_hash`, newest
     first, read a batch at a time."""
     if method is None and config_hash is None:
         return server.store.calls(since, before, limit)
+    with_turns_of_method: set[str] = set()
+    if method is not None:
+        turns = server.store.turns(since, server.cfg.store.max_dashboard_turns)
+        with_turns_of_method = {t["call_id"] for t in matching(turns, method)}
+
+    def keep(c: dict) -> bool:
+        return ((method is None or c.get("method") == method
+                 or c["call_id"] in with_turns_of_method)
+                and (config_hash is None or c.get("config_hash") == config_hash))
+
     found: list[dict] = []
     while len(found) < limit:
         batch = server.store.calls(since, before, CALLS_BATCH)
-        found += [c for c in batch if (method is None or c.get("method") == method)
-                  and (config_hash is None or c.get("config_hash") == config_hash)]
+        found += [c for c in batch if keep(c)]
         if len(batch) < CALLS_BATCH:
             break
         before = batch[-1]["started_at"]
