@@ -44,6 +44,15 @@ class ConfigError(ValueError):
     """Bad config file or override; the message says which key and what is allowed."""
 
 
+class IceServerConfig(BaseModel):
+    """One STUN/TURN server for browser calls (WebRTC's RTCIceServer)."""
+
+    model_config = ConfigDict(extra="forbid")
+    urls: str | list[str]
+    username: str | None = None
+    credential: str | None = None
+
+
 class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -72,6 +81,9 @@ class ServerConfig(BaseModel):
     max_call_s: float = Field(3600.0, gt=0)  # a call this long is ended
     # A peer that has not read what we sent for this long has lost its call.
     send_timeout_s: float = Field(10.0, gt=0)
+    # STUN/TURN servers for browser calls: GET /api/ice gives them to the page, and the server's
+    # peer connections use them too. []: host candidates only (same network or loopback).
+    ice_servers: list[IceServerConfig] = Field(default_factory=list)
     close_timeout_s: float = Field(3.0, gt=0)  # waiting for a close handshake, after cancelling
     start_timeout_s: float = Field(5.0, gt=0)  # a Twilio socket must send `start` within this
     max_handshakes_per_client: int = Field(4, ge=1)  # Twilio sockets waiting for `start`, per IP

@@ -8,7 +8,6 @@ import httpx
 
 from tests.voiceagent.serving import server_config
 from tests.voiceagent.turns import make_turn
-from voiceagent.config import ServerConfig
 from voiceagent.pipeline.turn_record import ToolCall
 from voiceagent.server.app import create_app
 from voiceagent.server.webrtc import _aiortc_ice_servers, ice_servers, turn_message
@@ -22,10 +21,7 @@ AS_SERVED = [{"urls": ["stun:stun.example.org:3478"]}, TURN]
 def _config(tmp_path, *overrides, ice=None):
     cfg = server_config(tmp_path, *overrides)
     if ice is not None:
-        if "ice_servers" in ServerConfig.model_fields:
-            cfg.server.ice_servers = ice  # validated, as a config file's would be
-        else:  # until the config has the field: what getattr(cfg.server, ...) reads
-            cfg.server.__dict__["ice_servers"] = ice
+        cfg.server.ice_servers = ice  # validated, as a config file's would be
     return cfg
 
 

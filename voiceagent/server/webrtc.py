@@ -48,23 +48,16 @@ async def _checked_body(request: Request, server: ServerState) -> dict:
 
 
 def ice_servers(cfg) -> list[dict]:
-    """`server.ice_servers` as the browser's RTCIceServer dicts: {urls, username?, credential?}.
-    An entry may be a URL string, a dict or a config model; `urls` a URL or a list of them."""
+    """`server.ice_servers` as the browser's RTCIceServer dicts: {urls, username?, credential?}."""
     out = []
-    for entry in getattr(cfg.server, "ice_servers", None) or []:
-        if isinstance(entry, str):
-            entry = {"urls": entry}
-        elif hasattr(entry, "model_dump"):
-            entry = entry.model_dump()
-        urls = entry.get("urls")
-        if isinstance(urls, str):
-            urls = [urls]
+    for entry in cfg.server.ice_servers:
+        urls = [entry.urls] if isinstance(entry.urls, str) else list(entry.urls)
         if not urls:
             continue
-        server = {"urls": list(urls)}
+        server = {"urls": urls}
         for key in ("username", "credential"):
-            if entry.get(key):
-                server[key] = entry[key]
+            if getattr(entry, key):
+                server[key] = getattr(entry, key)
         out.append(server)
     return out
 
