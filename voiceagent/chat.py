@@ -9,6 +9,7 @@ import sys
 
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
+from voiceagent import logs
 from voiceagent.config import Config
 from voiceagent.llm_setup import build_runtime
 
@@ -58,7 +59,7 @@ async def _run(serving: AsyncEngine, prompt_ids: list[int], stream: bool):
 
 def run_chat(cfg: Config, args) -> int:
     cfg = apply_chat_flags(cfg, args)
-    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress goes to stderr
+    say = logs.write  # progress goes to stderr
     # Loaded on the engine's own thread: torch work on two threads slows both.
     serving, runtime = AsyncEngine.build(
         lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, say))

@@ -195,15 +195,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.what == "serve":
-        from voiceagent.bench_serve import run_serve_bench
+        from voiceagent.bench.serve import run_serve_bench
 
         return run_serve_bench(load_config(args.config, args.overrides), args)
     if args.what == "call":
-        from voiceagent.bench_call import run_call_bench
+        from voiceagent.bench.call import run_call_bench
 
         return run_call_bench(load_config(args.config, args.overrides), args)
-    from voiceagent.bench_engine import run_engine_bench
-    from voiceagent.prompt_sets import DEFAULT_PROMPTS
+    from voiceagent.bench.engine import run_engine_bench
+    from voiceagent.bench.prompt_sets import DEFAULT_PROMPTS
 
     args.prompts = args.prompts or str(DEFAULT_PROMPTS)
     return run_engine_bench(load_config(args.config, args.overrides), args)
@@ -216,7 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_call(args: argparse.Namespace) -> int:
-    from voiceagent.call import run_call
+    from voiceagent.sim.call import run_call
 
     return run_call(load_config(args.config, args.overrides), args)
 

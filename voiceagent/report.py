@@ -19,7 +19,6 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
 
-from voiceagent.bench_report import percentile
 from voiceagent.config import Config, store_path
 from voiceagent.dashboard.stats import (
     BREAKDOWN,
@@ -28,6 +27,7 @@ from voiceagent.dashboard.stats import (
     overview,
     speculation,
 )
+from voiceagent.figures import MISSING, fmt, percentile
 from voiceagent.pipeline.turn_record import Breakdown, TurnRecord
 
 METHOD_COLOURS = {"off": "#7f7f7f", "ngram": "#1f77b4", "draft": "#ff7f0e", "eagle": "#2ca02c"}
@@ -59,16 +59,16 @@ def when(ts: float) -> str:
 # Formatting: one definition, used by both renderers (and by the tests to find the numbers).
 
 def fmt_ms(x: float | None) -> str:
-    return "–" if x is None else f"{x:.1f}"
+    return fmt(x, 1)
 
 
 def fmt_accepted(x: float | None) -> str:
-    return "–" if x is None else f"{x:.2f}"
+    return fmt(x, 2)
 
 
 def fmt_share(s: dict) -> str:
     share = s["interrupted_share"]
-    return "–" if share is None else f"{share:.1%} ({s['interrupted']})"
+    return MISSING if share is None else f"{share:.1%} ({s['interrupted']})"
 
 
 # The window's turns, read from the durable store.

@@ -2,7 +2,7 @@
 
 import pytest
 
-from voiceagent.bench_call import Variant, parse_backends, render_tool_turns, tool_turns
+from voiceagent.bench.call import Variant, parse_backends, render_tool_turns, tool_turns
 from voiceagent.config import ConfigError, load_config
 
 

@@ -14,7 +14,7 @@ from llm_engine.config import EngineConfig, GrammarSpec, SamplingConfig, Specula
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.grammar import GrammarCache
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
-from voiceagent.bench_engine import (
+from voiceagent.bench.engine import (
     BenchSettings,
     build_report,
     check_tool_call,
@@ -23,20 +23,19 @@ from voiceagent.bench_engine import (
     settings_from_args,
     write_results,
 )
-from voiceagent.bench_report import (
+from voiceagent.bench.prompt_sets import PromptSet, load_prompt_set
+from voiceagent.bench.results import (
     RunRecord,
     first_difference,
     geomean,
     is_baseline,
     lossless_check,
     paired_geomean,
-    percentile,
     render_markdown,
     summarise,
 )
 from voiceagent.cli import main
 from voiceagent.config import REPO_ROOT, load_config
-from voiceagent.prompt_sets import PromptSet, load_prompt_set
 
 
 def record(mode="off", times=(100.0, 150.0, 200.0), tokens=None, prompt=0, segment="s",
@@ -51,15 +50,6 @@ def record(mode="off", times=(100.0, 150.0, 200.0), tokens=None, prompt=0, segme
 
 
 # -- pure aggregation ---------------------------------------------------------------------------
-
-
-def test_percentile_interpolates_linearly_like_numpy():
-    xs = [4.0, 1.0, 3.0, 2.0]
-    assert percentile(xs, 0) == 1.0
-    assert percentile(xs, 50) == 2.5
-    assert percentile(xs, 100) == 4.0
-    assert percentile(range(1, 102), 95) == pytest.approx(96.0)
-    assert percentile([], 50) is None
 
 
 def test_geomean_of_reciprocal_ratios_is_one():
@@ -271,7 +261,7 @@ def test_a_draft_training_prompt_set_is_benchmarked_on_its_heldout_items_only():
 
 def test_every_mode_runs_in_each_other_format_against_that_formats_off(tmp_path):
     from llm_engine.formats import convert
-    from voiceagent.bench_formats import format_section, render_formats
+    from voiceagent.bench.formats import format_section, render_formats
 
     tokenizer = make_tokenizer()
     target = make_model(len(tokenizer), seed=0)

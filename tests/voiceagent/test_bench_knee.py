@@ -4,7 +4,7 @@ within the threshold, refused callers not counted against it."""
 from __future__ import annotations
 
 from tests.voiceagent.turns import make_turn
-from voiceagent.bench_knee import knee_of, level, render_knee
+from voiceagent.bench.knee import knee_of, level, render_knee
 
 
 def _level(n: int, within: int, refused: int = 0, failed: int = 0) -> dict:

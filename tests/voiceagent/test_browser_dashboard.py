@@ -22,11 +22,11 @@ from tests.audio.speech import silence, speech
 from tests.voiceagent import browser
 from tests.voiceagent.server_proc import log_tail, running_server
 from tests.voiceagent.turns import make_turn
-from voiceagent.call import simulate_call
 from voiceagent.config import load_config
 from voiceagent.dashboard.store import CallInfo, open_store
 from voiceagent.pipeline.builder import load_shared
 from voiceagent.pipeline.turn_record import ToolCall
+from voiceagent.sim.call import simulate_call
 
 pytestmark = [
     pytest.mark.slow,
@@ -219,7 +219,7 @@ def test_page_loads_only_local_resources(server):
     assert "/static/vendor/plotly.min.js" in refs, refs
     assert all((r.startswith("/") and not r.startswith("//")) or r == "data:," for r in refs), refs
     for name in ("dashboard.js", "dashboard.css"):
-        r = httpx.get(f"{url}/static/{name}", timeout=10)
+        r = httpx.get(f"{url}/dashboard/static/{name}", timeout=10)
         assert r.status_code == 200 and not re.search(r"https?://", r.text), name
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from tests.audio.speech import silence, speech
-from voiceagent.call import RATE, simulate_call
 from voiceagent.cli import main
 from voiceagent.config import load_config
 from voiceagent.pipeline.builder import load_shared
+from voiceagent.sim.call import RATE, simulate_call
 
 BARGE_IN_BOUND_MS = 600  # caller starts talking over the bot -> bot audio stopped
 
@@ -103,7 +103,7 @@ def test_bad_input_file_is_a_one_line_error(tmp_path, capsys, content, message):
 def test_the_call_wav_has_the_caller_left_and_the_bot_right(tmp_path):
     import soundfile
 
-    from voiceagent.call import CallResult, write_call_wav
+    from voiceagent.sim.call import CallResult, write_call_wav
 
     caller, bot = np.full(RATE, 1000, np.int16), np.full(RATE // 2, -1000, np.int16)
     write_call_wav(tmp_path / "out.wav", CallResult("c", [], caller, bot, tmp_path, []))

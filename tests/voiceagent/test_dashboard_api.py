@@ -16,7 +16,7 @@ from voiceagent.dashboard.stats import overview, speculation
 from voiceagent.dashboard.store import CallInfo
 from voiceagent.pipeline.turn_record import Breakdown, Preparation, ToolCall, TurnRecord
 from voiceagent.server.app import create_app
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 
 def _app(tmp_path, *overrides):

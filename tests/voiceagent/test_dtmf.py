@@ -23,7 +23,7 @@ from voiceagent.pipeline.builder import dtmf_aggregator
 from voiceagent.pipeline.turns import turn_strategies
 from voiceagent.server import twilio
 from voiceagent.server.media_streams import ProtocolViolation, check_in_call
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 REPLY_TIMEOUT_S = 45  # as test_server_twilio: one reply on a busy 2-core machine
 SID = "MZdtmf"

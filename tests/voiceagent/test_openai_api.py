@@ -19,8 +19,8 @@ from llm_engine.loading import servable_folder
 from tests.voiceagent.server_proc import running_server
 from tests.voiceagent.serving import server_config, serving
 from tests.voiceagent.tiny_shared import tiny_shared
-from voiceagent.bench_anchor import AnchorError, anchor_runner, connect
-from voiceagent.bench_engine import BenchPrompt
+from voiceagent.bench.anchor import AnchorError, anchor_runner, connect
+from voiceagent.bench.engine import BenchPrompt
 from voiceagent.config import load_config
 from voiceagent.models import resolve
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from tests.audio.speech import silence, speech
-from voiceagent.call import RATE, simulate_call
 from voiceagent.config import load_config, store_path
 from voiceagent.dashboard.store import SQLiteTurnStore
 from voiceagent.pipeline.builder import load_shared
+from voiceagent.sim.call import RATE, simulate_call
 
 HANGOVER_S = 3.2  # long enough for the pause transcript and the prepared reply's first audio
 MID_PAUSE_S = 2.5  # shorter than the hangover: the caller goes on after it

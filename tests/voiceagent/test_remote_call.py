@@ -9,10 +9,10 @@ import pytest
 
 from tests.audio.speech import silence, speech
 from tests.voiceagent.server_proc import running_server
-from voiceagent.call import simulate_call
 from voiceagent.config import load_config
 from voiceagent.dashboard.store import open_store
 from voiceagent.pipeline.builder import load_shared
+from voiceagent.sim.call import simulate_call
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from twilio.request_validator import RequestValidator
 from tests.audio.speech import speech
 from tests.voiceagent.nginx_proc import NGINX, make_certs, render, running_nginx
 from tests.voiceagent.server_proc import free_port, running_server
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 pytestmark = [
     pytest.mark.slow,

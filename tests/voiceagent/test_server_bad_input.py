@@ -12,7 +12,7 @@ import pytest
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, until
 from tests.voiceagent.serving import twilio_url as ws_url
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 pytestmark = pytest.mark.slow
 

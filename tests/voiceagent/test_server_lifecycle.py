@@ -18,7 +18,7 @@ from tests.audio.speech import speech
 from tests.voiceagent.server_proc import REPO, free_port
 from tests.voiceagent.serving import server_config
 from voiceagent.server.app import create_app
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "How far away is the moon?"]

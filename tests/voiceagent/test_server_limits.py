@@ -21,7 +21,7 @@ from starlette.websockets import WebSocketState
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
 from voiceagent.server.calls import ActiveCall, CallRegistry
 from voiceagent.server.media_streams import MediaStreamSocket
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 
 @pytest.mark.slow

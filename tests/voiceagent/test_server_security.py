@@ -18,7 +18,7 @@ from voiceagent.server.app import create_app
 from voiceagent.server.auth import SESSION_COOKIE
 from voiceagent.server.guard import RedactTokens
 from voiceagent.server.serve import Exposed, exposure_notes
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 LOCAL = "http://127.0.0.1"
 

@@ -15,8 +15,8 @@ import pytest
 
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
-from voiceagent.bench_serve import rss_mb
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.bench.serve import rss_mb
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 

@@ -25,7 +25,7 @@ from voiceagent.cli import main
 from voiceagent.config import load_config
 from voiceagent.dashboard.store import StoreError, open_store
 from voiceagent.dashboard.store_postgres import PostgresTurnStore
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 from voiceagent.urls import redact
 
 PASSWORD = "hunter2"  # the test server trusts every local connection, so any password will do

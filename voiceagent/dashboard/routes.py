@@ -38,18 +38,22 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 from pathlib import Path
+from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voiceagent.dashboard.stats import facets, matching, overview, speculation
 from voiceagent.pipeline.remote_llm import RemoteChat
-from voiceagent.server.auth import authorized
-from voiceagent.server.state import ServerState
 from voiceagent.urls import redact
 
-STATIC = Path(__file__).resolve().parent.parent / "server" / "static"
+# The server uses the dashboard, never the reverse: the app that includes `router` guards it with
+# its token (`dependencies=`) and keeps its state, which has what these routes read (`cfg`,
+# `store`, `shared`, `events`), at `app.state.server`.
+ServerState = Any
+STATIC = Path(__file__).resolve().parent / "static"
+PAGE_FILES = ("dashboard.js", "dashboard.css")
 KEEPALIVE_S = 15.0
 COUNTERS_MAX_AGE_S = 10.0  # a remote LLM's speculation counters, read once for every dashboard
 CALLS_BATCH = 500  # calls read at a time while filtering the calls list
@@ -60,14 +64,7 @@ def _server(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def _authorized(request: Request) -> ServerState:
-    server = _server(request)
-    if not authorized(request, server.cfg.server.token):
-        raise HTTPException(401, "unauthorized: missing or wrong token")
-    return server
-
-
-router = APIRouter(dependencies=[Depends(_authorized)])
+router = APIRouter()
 public = APIRouter()
 Since = Query(None, ge=0, description="unix seconds; only turns/calls started at or after it")
 Method = Query(None, min_length=1, max_length=64,
@@ -79,6 +76,13 @@ ConfigHash = Query(None, min_length=1, max_length=128,
 @public.get("/dashboard", include_in_schema=False)
 async def dashboard_page():
     return FileResponse(STATIC / "dashboard.html")
+
+
+@public.get("/dashboard/static/{name}", include_in_schema=False)
+async def dashboard_file(name: str):
+    if name not in PAGE_FILES:
+        raise HTTPException(404, "not found")
+    return FileResponse(STATIC / name)
 
 
 @public.get("/static/vendor/plotly.min.js", include_in_schema=False)

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from voiceagent.bench_report import percentile
+from voiceagent.figures import percentile
 from voiceagent.pipeline.turn_record import TurnRecord
 
 BREAKDOWN = ("vad_hangover_ms", "asr_final_ms", "tool_call_ms", "tools_ms", "prefill_ms",

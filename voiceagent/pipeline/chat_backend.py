@@ -101,7 +101,10 @@ class EngineChat:
         if tools is not None and (sampling is None or sampling.max_new_tokens > 1):
             sampling = replace(sampling or self.engine.engine.config.sampling,
                                grammar=tools.grammar())
-        if sampling is not None and sampling.grammar is not None:
+        # Draft through the grammar where its output is mostly forced: a required call, or a
+        # JSON response. A reply that may be words keeps its method (and its dashboard label).
+        forced = tools.required if tools is not None else sampling and sampling.grammar
+        if forced:
             method = grammar_method(method or self.name)
         return self.engine.submit(prompt, sampling, session_id, method)
 

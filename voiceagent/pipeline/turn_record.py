@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
+from voiceagent.figures import percentile
 
 
 @dataclass
@@ -22,8 +22,7 @@ class Percentiles:
     def of(cls, values: list[float]) -> Percentiles:
         if not values:
             return cls()
-        p50, p95, p99 = np.percentile(np.asarray(values, dtype=float), [50, 95, 99])
-        return cls(float(p50), float(p95), float(p99))
+        return cls(*(percentile(values, q) for q in (50, 95, 99)))
 
 
 @dataclass

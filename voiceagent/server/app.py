@@ -17,7 +17,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from loguru import logger
@@ -26,7 +26,7 @@ from voiceagent.config import Config
 from voiceagent.dashboard import routes as dashboard
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.server import openai_api, twilio, webrtc
-from voiceagent.server.auth import SESSION_COOKIE, session_value, token_ok
+from voiceagent.server.auth import SESSION_COOKIE, require_token, session_value, token_ok
 from voiceagent.server.guard import HostOriginGuard, json_object
 from voiceagent.server.state import ServerState, new_state
 
@@ -96,7 +96,7 @@ def create_app(
         return FileResponse(STATIC / "index.html")
 
     app.include_router(dashboard.public)  # before the /static mount: it serves /static/vendor/
-    app.include_router(dashboard.router)
+    app.include_router(dashboard.router, dependencies=[Depends(require_token)])
     app.include_router(webrtc.router)
     app.include_router(twilio.router)
     app.include_router(openai_api.router)

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import ipaddress
 
+from fastapi import HTTPException, Request
 from starlette.requests import HTTPConnection
 from twilio.request_validator import RequestValidator
 
@@ -73,6 +74,12 @@ def authorized(conn: HTTPConnection, expected: str | None, extra: object = None)
     if presented is not None:
         return token_ok(expected, presented)
     return token_ok(session_value(expected), conn.cookies.get(SESSION_COOKIE))
+
+
+def require_token(request: Request) -> None:
+    """A route dependency: 401 unless the request carries the server's token (or its session)."""
+    if not authorized(request, request.app.state.server.cfg.server.token):
+        raise HTTPException(401, "unauthorized: missing or wrong token")
 
 
 def public_url(conn: HTTPConnection, base: str | None) -> str:

@@ -5,7 +5,7 @@ cost without the asyncio bridge. The baselines run through `generate()` on the s
 plain, `prompt_lookup_num_tokens` (Saxena 2023) and `assistant_model` (Leviathan et al. 2023) when a
 draft is loaded: what a user would pick instead. The machine is noisy, so every mode runs on each
 prompt before the next prompt starts, in an order rotated per prompt, and ratios are taken per
-prompt pair (`voiceagent.bench_report`). Seeded sampling uses the same seed in every mode.
+prompt pair (`voiceagent.bench.results`). Seeded sampling uses the same seed in every mode.
 
 A tool-call segment (one whose prompts carry tools) is decoded under the tools grammar with
 tool_choice "required" in every engine mode, `off` included, so `grammar` and `grammar+<one>`
@@ -39,9 +39,11 @@ from llm_engine.grammar import parse_tool_call, tool_functions
 from llm_engine.prompts import encode_chat
 from llm_engine.proposers import check_method, model_setting
 from llm_engine.sampling import is_greedy
-from voiceagent.bench_anchor import AnchorError, anchor_runner, connect
-from voiceagent.bench_formats import format_section, render_formats
-from voiceagent.bench_report import (
+from voiceagent import logs
+from voiceagent.bench.anchor import AnchorError, anchor_runner, connect
+from voiceagent.bench.formats import format_section, render_formats
+from voiceagent.bench.prompt_sets import PromptSet, heldout_conversations, load_prompt_set, messages
+from voiceagent.bench.results import (
     ANCHOR,
     FORMAT_MARK,
     REFERENCE,
@@ -52,7 +54,6 @@ from voiceagent.bench_report import (
 )
 from voiceagent.config import Config
 from voiceagent.logs import progress_bar
-from voiceagent.prompt_sets import PromptSet, heldout_conversations, load_prompt_set, messages
 
 
 @dataclass
@@ -497,7 +498,7 @@ def _formats(args, cfg: Config) -> list[str]:
 def run_engine_bench(cfg: Config, args) -> int:
     from voiceagent.llm_setup import build_runtime
 
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731 - progress on stderr
+    say = logs.write  # progress on stderr, above the bar
     settings = settings_from_args(args, cfg)
     prompt_set = load_prompt_set(args.prompts)
     segments = select_segments(prompt_set, settings)  # refuse unknown ones before loading models

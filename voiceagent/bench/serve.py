@@ -1,7 +1,7 @@
 """`voiceagent bench serve`: the call server under simulated Twilio callers, end to end.
 
 The server runs in this process on a loopback port; callers speak Media Streams to it at real-time
-pace (voiceagent.twilio_caller). Measured:
+pace (voiceagent.sim.twilio_caller). Measured:
 
 - Twilio round trip: the caller's last chunk of speech sent -> the first bot `media` received,
   over `turns` turns of one call (p50), beside the server's clock 3 for the same turns;
@@ -17,15 +17,16 @@ import gc
 import time
 
 from audio.synth import synthesize
-from voiceagent.bench_knee import knee, render_knee
-from voiceagent.bench_report import percentile, save_results, utc_stamp
+from voiceagent.bench.knee import knee, render_knee
+from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import Config
+from voiceagent.figures import fmt, percentile
 from voiceagent.logs import progress_bar, write
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
 from voiceagent.pipeline.tts import shared_piper_voice
 from voiceagent.server.serve import serving_in_process
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -135,8 +136,7 @@ class Bench:
 
 
 def _p50(xs) -> str:
-    v = percentile([x for x in xs if x is not None], 50)
-    return "–" if v is None else f"{v:.0f}"
+    return fmt(percentile([x for x in xs if x is not None], 50), 0)
 
 
 def render(r: dict) -> str:

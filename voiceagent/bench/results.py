@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 
+from voiceagent.figures import fmt, percentile
+
 REFERENCE = "off"  # the mode every ratio and the losslessness check compare against
 FORMAT_MARK = "@"  # "ngram@float32": a mode run in a format other than the engine's chosen one
 ANCHOR = "anchor"  # an OpenAI-compatible server timed on the same prompts (--anchor-url)
@@ -107,17 +109,6 @@ class RunRecord:
 
 
 # -- small statistics ---------------------------------------------------------------------------
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]; None when empty."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def geomean(values: Iterable[float]) -> float | None:
@@ -333,10 +324,6 @@ def ratios(
 
 
 # -- Markdown -----------------------------------------------------------------------------------
-
-
-def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
-    return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
 def _ratio(c: dict) -> str:

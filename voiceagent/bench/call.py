@@ -27,14 +27,15 @@ import yaml
 
 from audio.loaders import load_piper
 from audio.synth import silence, synthesize
-from voiceagent.bench_report import percentile, save_results, utc_stamp
-from voiceagent.call import RATE, simulate_call
+from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import PROMPTS_DIR, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
+from voiceagent.figures import fmt, fmt_share, percentile
 from voiceagent.logs import progress_bar, write
 from voiceagent.models import resolve
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
+from voiceagent.sim.call import RATE, simulate_call
 from voiceagent.urls import redact
 
 DEFAULT_SCRIPT = PROMPTS_DIR / "call_bench_v3.yaml"
@@ -82,14 +83,6 @@ def caller_audio(voice, turns: list[dict]) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def _f(x) -> str:
-    return "–" if x is None else f"{x:.0f}"
-
-
-def _share(x) -> str:
-    return "–" if x is None else f"{100 * x:.0f}%"
-
-
 def tool_turns(turns: list[dict]) -> dict:
     """The turns that called a tool: clock 3 (turn end -> the spoken result's first audio),
     the tools' own time, and how many results were heard within TOOL_TURN_GOAL_MS."""
@@ -111,8 +104,8 @@ def render_tool_turns(by_mode: dict[str, dict]) -> str:
              "tool ms p50 | within 1 s |", "|---|--:|--:|--:|--:|--:|"]
     for mode, s in by_mode.items():
         lines.append(f"| {mode} | {s['turns']} | {s['calls']} ({s['failed']}) | "
-                     f"{_f(s['c3_p50'])} / {_f(s['c3_p95'])} | {_f(s['tool_ms_p50'])} | "
-                     f"{s['within_goal']} of {s['turns']} |")
+                     f"{fmt(s['c3_p50'], 0)} / {fmt(s['c3_p95'], 0)} | "
+                     f"{fmt(s['tool_ms_p50'], 0)} | {s['within_goal']} of {s['turns']} |")
     return "\n".join(lines)
 
 
@@ -127,9 +120,10 @@ def render(summary: dict[str, dict]) -> str:
                            s["itl_ms"], s["barge_in_to_silence_ms"])
         acc = s["mean_accepted_per_step"]
         lines.append(
-            f"| {mode} | {s['turns']} | {s['interrupted']} | {_f(c3['p50'])} / {_f(c3['p95'])} | "
-            f"{_f(c1['p50'])} | {_f(itl['p50'])} / {_f(itl['p95'])} | {_f(bi['p50'])} / "
-            f"{_f(bi['max'])} | {'–' if acc is None else f'{acc:.2f}'} |"
+            f"| {mode} | {s['turns']} | {s['interrupted']} | "
+            f"{fmt(c3['p50'], 0)} / {fmt(c3['p95'], 0)} | {fmt(c1['p50'], 0)} | "
+            f"{fmt(itl['p50'], 0)} / {fmt(itl['p95'], 0)} | "
+            f"{fmt(bi['p50'], 0)} / {fmt(bi['max'], 0)} | {fmt(acc, 2)} |"
         )
     lines += ["", "Early preparation:", "",
               "| mode | prepared turns | committed | false commits | discarded | lead p50 ms | "
@@ -139,12 +133,12 @@ def render(summary: dict[str, dict]) -> str:
         lines.append(
             f"| {mode} | {p['prepared_turns']} | {p['committed']} | {p['false_commits']} | "
             f"{p['discarded']} | "
-            f"{_f(p['lead_ms_p50'])} | {_share(p['wasted_tokens_share'])} | "
-            f"{_share(p['wasted_audio_share'])} |")
+            f"{fmt(p['lead_ms_p50'], 0)} | {fmt_share(p['wasted_tokens_share'])} | "
+            f"{fmt_share(p['wasted_audio_share'])} |")
     lines += ["", "Median breakdown (ms):", "",
               "| mode | " + " | ".join(BREAKDOWN) + " |", "|---|" + "--:|" * len(BREAKDOWN)]
     for mode, s in summary.items():
-        row = " | ".join(_f(s["breakdown_p50_ms"][k]) for k in BREAKDOWN)
+        row = " | ".join(fmt(s["breakdown_p50_ms"][k], 0) for k in BREAKDOWN)
         lines.append(f"| {mode} | {row} |")
     return "\n".join(lines)
 

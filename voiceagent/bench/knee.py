@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
-from voiceagent.bench_report import percentile
 from voiceagent.config import Config
+from voiceagent.figures import fmt, percentile
 from voiceagent.logs import progress_bar
 from voiceagent.server.serve import serving_in_process
-from voiceagent.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 KEEP_SHARE = 0.9
 STAGGER_S = 0.3  # between callers' starts
@@ -93,7 +93,7 @@ def knee_of(levels: list[dict]) -> int:
 
 def render_knee(r: dict) -> str:
     def ms(v):
-        return "–" if v is None else f"{v:.0f}"
+        return fmt(v, 0)
 
     lines = [f"Threshold: clock 3 ≤ {r['threshold_ms']:.0f} ms on every turn of a "
              f"{r['turns']}-turn conversation; admission limit server.max_calls = "

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,10 @@ from pipecat.frames.frames import EndFrame
 from pipecat.workers.runner import WorkerRunner
 
 from audio.wav import read_wav, write_wav
+from voiceagent import logs
 from voiceagent.config import Config, config_hash
 from voiceagent.dashboard.store import CallInfo, open_store
+from voiceagent.figures import fmt
 from voiceagent.pipeline.builder import SharedModels, build_call, load_shared
 from voiceagent.pipeline.records import JsonlTurnSink, TurnRecords
 from voiceagent.pipeline.turn_record import TurnRecord
@@ -104,7 +105,7 @@ def write_call_wav(path: str | Path, result: CallResult) -> None:
 
 
 def _fmt(ms) -> str:
-    return "-" if ms is None else f"{ms:.0f} ms"
+    return fmt(ms, 0, " ms")
 
 
 def print_turns(result: CallResult) -> None:
@@ -133,7 +134,7 @@ def print_turns(result: CallResult) -> None:
 
 def run_call(cfg: Config, args) -> int:
     audio = read_wav(args.wav, RATE)  # AudioFormatError (a ValueError) for a bad file
-    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731 - progress goes to stderr
+    say = logs.write  # progress goes to stderr
     shared = load_shared(cfg, say)
     try:
         result = asyncio.run(simulate_call(cfg, shared, audio, realtime=not args.fast))

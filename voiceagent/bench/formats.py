@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llm_engine import formats
 from llm_engine.cost_model import CostModel
-from voiceagent.bench_report import fmt
+from voiceagent.figures import fmt
 
 
 def format_section(cost_models: dict[str, CostModel], chosen: str, runner: str,
