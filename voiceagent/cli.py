@@ -1,4 +1,5 @@
-"""The `voiceagent` command line. Heavy imports happen inside each subcommand."""
+"""The `voiceagent` command line. Models load inside each subcommand; importing this module loads
+torch all the same (the engine's error types and proposer names come from `llm_engine`)."""
 
 from __future__ import annotations
 
