@@ -1,16 +1,5 @@
-"""llm_engine: an in-process draft-target speculative decoding engine."""
+"""llm_engine: an in-process draft-target speculative decoding engine.
 
-from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
-from llm_engine.engine import RequestState, SpeculativeEngine
-from llm_engine.stats import EngineTotals, RequestStats, StepStats
-
-__all__ = [
-    "EngineConfig",
-    "EngineTotals",
-    "RequestState",
-    "RequestStats",
-    "SamplingConfig",
-    "SpeculationConfig",
-    "SpeculativeEngine",
-    "StepStats",
-]
+Import what you use from its modules (`llm_engine.engine.SpeculativeEngine`, `llm_engine.serving.
+AsyncEngine`, ...): the package itself imports nothing, so its light parts (config, errors) load
+without torch."""

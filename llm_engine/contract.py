@@ -27,6 +27,7 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 
 from llm_engine.config import EngineConfig
+from llm_engine.errors import IncompatiblePairError
 from llm_engine.pair_card import (
     ModelIdentity,
     PairCard,
@@ -48,10 +49,6 @@ PROBES = (
     ],
 )
 NAMED_SPECIALS = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
-class IncompatiblePairError(ValueError):
-    """The draft cannot serve this target; the message lists the first differences."""
 
 
 def check_pair(target_tok, draft_tok, *, names: tuple[str, str] = ("target", "draft")) -> None:

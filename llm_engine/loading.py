@@ -21,13 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils.logging import tqdm as hf_tqdm
 
+from llm_engine.errors import ModelLoadError
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be found or loaded; the message says what to fix, in one line."""
 
 
 @dataclass

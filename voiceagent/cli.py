@@ -1,17 +1,29 @@
-"""The `voiceagent` command line. Models load inside each subcommand; importing this module loads
-torch all the same (the engine's error types and proposer names come from `llm_engine`)."""
+"""The `voiceagent` command line. Heavy imports (torch, pipecat, the models) happen inside each
+subcommand, so `voiceagent --help` and a bad flag answer at once."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from llm_engine.contract import IncompatiblePairError
-from llm_engine.loading import ModelLoadError
-from llm_engine.proposers import proposer_names
+from llm_engine.errors import IncompatiblePairError, ModelLoadError
 from voiceagent import logs
 from voiceagent.config import ConfigError, load_config
 from voiceagent.models import ModelNotFound
+
+# The registered proposers (llm_engine.proposers), named here so that building the parser does
+# not import torch; tests/voiceagent/test_cli_flags.py checks the list against the registry.
+METHODS_HELP = "off, ngram, draft, eagle, grammar, or grammar+<one>"
+
+
+def _method(name: str) -> str:
+    from llm_engine.proposers import check_method
+
+    try:
+        check_method(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -71,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "chat", help="generate one reply with the engine only (no audio)")
     p.add_argument("prompt", help="the user's message")
-    p.add_argument("--speculative", choices=proposer_names(),
-                   help="speculation method (default from config: engine.speculation.method)")
+    p.add_argument("--speculative", type=_method, metavar="METHOD",
+                   help=f"speculation method: {METHODS_HELP} (default from config: "
+                   "engine.speculation.method)")
     p.add_argument("--draft", help="draft model name or path (implies --speculative draft)")
     p.add_argument("--temperature", type=float,
                    help="sampling temperature, 0 for greedy (default from config)")

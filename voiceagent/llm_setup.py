@@ -13,9 +13,10 @@ import torch
 from llm_engine import compact_draft, cost_model, eagle_head, formats
 from llm_engine.compiled_runner import CompiledRunner
 from llm_engine.config import EngineConfig
-from llm_engine.contract import IncompatiblePairError, compatibility, make_pair_card
+from llm_engine.contract import compatibility, make_pair_card
 from llm_engine.cost_model import CostModelCache
 from llm_engine.engine import SpeculativeEngine
+from llm_engine.errors import IncompatiblePairError
 from llm_engine.formats import FormatResult
 from llm_engine.loading import LoadedModel, load_causal_lm, model_bytes
 from llm_engine.pair_card import PairCard

@@ -3,7 +3,8 @@ import time
 import pytest
 import torch
 
-from llm_engine.loading import ModelLoadError, load_causal_lm, pick_dtype
+from llm_engine.errors import ModelLoadError
+from llm_engine.loading import load_causal_lm, pick_dtype
 from voiceagent.models import resolve
 
 

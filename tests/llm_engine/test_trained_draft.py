@@ -10,8 +10,8 @@ import torch
 from transformers import PreTrainedModel
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
-from llm_engine.contract import IncompatiblePairError
 from llm_engine.engine import SpeculativeEngine
+from llm_engine.errors import IncompatiblePairError
 from llm_engine.prompts import encode_chat
 from llm_engine.verify import VerifyResult, verify_sampling
 from tests.llm_engine.test_smollm2 import PROMPTS

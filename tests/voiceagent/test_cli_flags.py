@@ -5,6 +5,7 @@ import argparse
 import io
 import json
 import logging
+import subprocess
 import sys
 
 import pytest
@@ -191,3 +192,22 @@ def test_bars_on_a_terminal_but_not_with_json(monkeypatch):
     assert "a line above the bar\n" in shown and "steps:   0%" in shown and "0/2" in shown
     logs.configure(json_lines=True)
     assert not logs.bars_enabled()
+
+
+def test_the_help_names_every_registered_proposer():
+    from llm_engine.proposers import proposer_names
+
+    assert all(name in cli.METHODS_HELP for name in proposer_names())
+
+
+def test_the_cli_answers_help_without_importing_torch():
+    code = "import sys, voiceagent.cli; print('torch' in sys.modules, 'pipecat' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout
+
+
+def test_a_bad_method_is_refused_with_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["chat", "hi", "--speculative", "magic"])
+    assert exited.value.code == 2
+    assert "unknown proposer 'magic'" in capsys.readouterr().err
