@@ -12,6 +12,7 @@ import sys
 from contextlib import asynccontextmanager
 
 import uvicorn
+from loguru import logger
 
 from voiceagent.config import Config
 from voiceagent.models import resolve
@@ -61,10 +62,6 @@ def exposure_notes(cfg: Config) -> list[str]:
     return notes
 
 
-def _red(text: str) -> str:
-    return f"\033[1;31m{text}\033[0m" if sys.stderr.isatty() else text
-
-
 def uvicorn_config(app, cfg: Config, host: str, port: int, log_level: str) -> uvicorn.Config:
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
@@ -107,8 +104,11 @@ def run_serve(cfg: Config, args) -> int:
     except Exposed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for note in notes:
-        print(_red(note) if note.startswith("INSECURE") else f"note: {note}", file=sys.stderr)
+    for note in notes:  # the logs' sink: text, or one JSON object a line with --log-json
+        if note.startswith("INSECURE"):
+            logger.warning(note)
+        else:
+            logger.info(f"note: {note}")
     preflight(cfg)
     host, port = cfg.server.host, cfg.server.port
     failed: list[str] = []
@@ -119,9 +119,9 @@ def run_serve(cfg: Config, args) -> int:
 
     app = create_app(cfg, on_load_failed=on_load_failed)
     server = uvicorn.Server(uvicorn_config(app, cfg, host, port, "info"))
-    print(f"voiceagent: call page http://{host}:{port}/ ; Twilio Media Streams "
-          f"ws://{host}:{port}/telephony/twilio ; loading models (GET /healthz says when ready)",
-          file=sys.stderr)
+    logger.info(f"voiceagent: call page http://{host}:{port}/ ; Twilio Media Streams "
+                f"ws://{host}:{port}/telephony/twilio ; loading models (GET /healthz says when "
+                "ready)")
     server.run()
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)
