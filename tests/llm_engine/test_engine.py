@@ -13,6 +13,7 @@ from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.cost_model import CostModel
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.runner import EagerRunner
+from tests.llm_engine.requests import run
 
 NEW_TOKENS = 24
 NUM_PROMPTS = 50
@@ -39,16 +40,6 @@ def make_engine(target, tokenizer, method="off", draft=None, sampling=None, eagl
         prefill_chunk=chunk,
     )
     return SpeculativeEngine(target, tokenizer, config, draft_model=draft, eagle_head=eagle)
-
-
-def run(engine, prompt, sampling=None, session_id=None):
-    """All tokens of one request, and its state."""
-    state = engine.start(prompt, sampling, session_id)
-    tokens = []
-    while not state.finished:
-        tokens += engine.step(state)
-    engine.release(state)
-    return tokens, state
 
 
 @pytest.fixture(scope="module")

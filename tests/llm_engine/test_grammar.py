@@ -18,6 +18,7 @@ from llm_engine.proposers import ProposeContext, make_proposer
 from llm_engine.proposers.base import DraftBuilder
 from llm_engine.sampling import make_generator
 from llm_engine.stats import RequestStats
+from tests.llm_engine.requests import run
 
 EOS = 2
 ORDER = {"type": "function", "function": {"name": "lookup_order", "parameters": {
@@ -55,15 +56,6 @@ def engines(target, draft, tokenizer):
 
 def decode(tokenizer, tokens: list[int]) -> str:
     return tokenizer.decode([t for t in tokens if t != EOS])
-
-
-def run(engine, prompt: list[int], sampling: SamplingConfig):
-    state = engine.start(prompt, sampling)
-    tokens: list[int] = []
-    while not state.finished:
-        tokens += engine.step(state)
-    engine.release(state)
-    return tokens, state
 
 
 def assert_valid(spec: GrammarSpec, text: str, finish: str) -> None:

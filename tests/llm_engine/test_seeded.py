@@ -13,6 +13,7 @@ import pytest
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
+from tests.llm_engine.requests import run
 
 NEW_TOKENS = 32
 # Repetitive prompts, so that prompt lookup finds matches and some drafts are accepted.
@@ -27,18 +28,6 @@ def sampling(seed: int | None) -> SamplingConfig:
 def make_engine(target, tokenizer, method: str, draft=None, **spec) -> SpeculativeEngine:
     config = EngineConfig(speculation=SpeculationConfig(method=method, **spec))
     return SpeculativeEngine(target, tokenizer, config, draft_model=draft)
-
-
-def run(engine, prompt, sampling_config, limit=None):
-    """All tokens of one request; `limit(k)` replaces the gate's draft-length decision."""
-    state = engine.start(prompt, sampling_config)
-    if limit is not None:
-        state.gate.limit = limit
-    tokens = []
-    while not state.finished:
-        tokens += engine.step(state)
-    engine.release(state)
-    return tokens, state
 
 
 @pytest.fixture(scope="module")
