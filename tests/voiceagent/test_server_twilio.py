@@ -56,24 +56,27 @@ async def test_barge_in_gets_a_clear_within_the_bound(tmp_path, models):
             await caller.hang_up()
 
 
+async def _refused(base: str, **caller) -> tuple[int | None, str]:
+    """A call the server closes at its start: the close code and reason."""
+    async with TwilioCaller(ws_url(base), **caller) as refused:
+        await refused.start(stream=False)
+        await refused.wait(lambda r: r.close_code is not None, 5)
+    return refused.received.close_code, refused.received.close_reason
+
+
 async def test_a_call_without_the_token_is_closed_with_1008(tmp_path, models):
     cfg = server_config(tmp_path, "server.token=s3cret")
     async with serving(cfg, models) as (_app, base):
-        async with TwilioCaller(ws_url(base)) as caller:
-            await caller.start(stream=False)
-            await caller.wait(lambda r: r.close_code is not None, 5)
-        assert caller.received.close_code == 1008
-        assert caller.received.close_reason.startswith("unauthorized")
+        code, reason = await _refused(base)
+    assert code == 1008 and reason.startswith("unauthorized")
 
 
 @pytest.mark.parametrize("token", ["wrong", 12345], ids=["wrong", "not a string"])
 async def test_a_call_with_a_bad_token_is_closed_with_1008(tmp_path, models, token):
     cfg = server_config(tmp_path, "server.token=s3cret")
     async with serving(cfg, models) as (_app, base):
-        async with TwilioCaller(ws_url(base), custom_parameters={"token": token}) as caller:
-            await caller.start(stream=False)
-            await caller.wait(lambda r: r.close_code is not None, 5)
-        assert caller.received.close_code == 1008
+        code, _ = await _refused(base, custom_parameters={"token": token})
+    assert code == 1008
 
 
 async def test_a_wrong_bearer_token_is_refused_before_start(tmp_path, models):
@@ -100,11 +103,7 @@ async def test_twilio_signature_is_required_when_an_auth_token_is_set(tmp_path, 
 
     cfg = server_config(tmp_path, "server.twilio_auth_token=tw-auth")
     async with serving(cfg, models) as (app, base):
-        async with TwilioCaller(ws_url(base)) as unsigned:
-            await unsigned.start(stream=False)
-            await unsigned.wait(lambda r: r.close_code is not None, 5)
-        assert (unsigned.received.close_code, unsigned.received.close_reason) == (
-            1008, "invalid Twilio signature")
+        assert await _refused(base) == (1008, "invalid Twilio signature")
         url = ws_url(base)
         signature = RequestValidator("tw-auth").compute_signature(url, {})
         async with TwilioCaller(url, headers={"X-Twilio-Signature": signature}) as signed:
