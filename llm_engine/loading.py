@@ -196,6 +196,7 @@ def _dequantised_folder(
         progress(f"loading cached de-quantised weights of {gguf} from {target}")
         return target, True
     progress(f"de-quantising {gguf} (first run only; cached in {target})")
+    _gguf_bar_obeys_transformers()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     # The weights are plain tensors now; drop the GGUF marker that blocks save_pretrained.
@@ -208,6 +209,16 @@ def _dequantised_folder(
     (partial / "SOURCE.json").write_text(json.dumps({"gguf": str(folder / gguf), "sha256": sha}))
     partial.rename(target)  # atomic: an interrupted run never leaves a half-written cache
     return target, False
+
+
+def _gguf_bar_obeys_transformers() -> None:
+    """transformers draws its GGUF de-quantisation bar with tqdm.auto's own tqdm, which its
+    progress-bar switch does not reach: give that module transformers' tqdm, so the bar is off
+    where transformers' bars are (off a terminal, under --log-json)."""
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    if getattr(hf_gguf, "tqdm", None) is not None:
+        hf_gguf.tqdm = hf_tqdm
 
 
 def _short_reason(source: str, exc: Exception) -> str:

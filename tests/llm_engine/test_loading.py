@@ -46,3 +46,15 @@ def test_gguf_is_dequantised_once_then_loaded_from_cache(tmp_path):
     ids = torch.tensor([[1, 504, 3458, 28]])
     assert torch.equal(first.model(ids).logits, second.model(ids).logits)
     assert second.tokenizer.chat_template == first.tokenizer.chat_template
+
+
+def test_gguf_dequantisation_draws_no_bar_when_transformers_bars_are_off(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # as the CLI does off a terminal and under --log-json
+    try:
+        load_causal_lm(resolve("smollm2-135m-instruct", "llm").location, cache_dir=tmp_path,
+                       progress=lambda _: None)
+    finally:
+        hf_logging.enable_progress_bar()
+    assert "de-quantizing GGUF" not in capfd.readouterr().err

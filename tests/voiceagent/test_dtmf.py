@@ -20,7 +20,7 @@ from tests.voiceagent.serving import server_config, serving
 from tests.voiceagent.serving import twilio_url as ws_url
 from voiceagent.config import TurnConfig
 from voiceagent.pipeline.builder import dtmf_aggregator
-from voiceagent.pipeline.turns import turn_strategies
+from voiceagent.pipeline.turns import load_smart_turn_session, turn_strategies
 from voiceagent.server import twilio
 from voiceagent.server.media_streams import ProtocolViolation, check_in_call
 from voiceagent.sim.twilio_caller import TwilioCaller
@@ -53,8 +53,10 @@ def test_a_digit_off_the_keypad_closes_with_1007(digit):
 async def test_keys_become_a_user_turn_under_our_turn_strategies(turn):
     """No VAD and no speech: the digits alone end a turn and send the context to the LLM."""
     context = LLMContext()
+    smart_turn = load_smart_turn_session() if turn.stop == "smart_turn" else None
+    strategies = turn_strategies(turn, smart_turn)
     pair = LLMContextAggregatorPair(
-        context, user_params=LLMUserAggregatorParams(user_turn_strategies=turn_strategies(turn)))
+        context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies))
     keys = [InputDTMFFrame(KeypadEntry.ONE), InputDTMFFrame(KeypadEntry.POUND)]  # '#' sends
     down, _ = await asyncio.wait_for(run_test(
         Pipeline([dtmf_aggregator(turn), pair.user()]),

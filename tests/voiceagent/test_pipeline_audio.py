@@ -35,9 +35,9 @@ from audio.wav import frames
 from tests.audio.speech import silence, speech
 from voiceagent.models import resolve
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
-from voiceagent.pipeline.stt import StreamingWhisperSTTService, shared_whisper
-from voiceagent.pipeline.tts import make_tts
-from voiceagent.pipeline.vad import make_vad
+from voiceagent.pipeline.stt import StreamingWhisperSTTService, load_asr_model
+from voiceagent.pipeline.tts import load_tts_voice, make_tts
+from voiceagent.pipeline.vad import load_vad_model, make_vad
 
 QUESTION = "What is the capital of France?"
 
@@ -59,15 +59,30 @@ def audio_frames(samples: np.ndarray, rate: int = 16000, every: int = 0, sleep: 
 # VAD
 
 
-async def test_vad_uses_the_silero_vad_package_model():
-    vad = make_vad(VADConfig())
-    assert vad.model_path == resolve("silero-vad", "vad").location
-    assert "silero_vad" in vad.model_path
+@pytest.fixture(scope="module")
+def vad_model():
+    return load_vad_model(VADConfig())
 
 
-async def test_vad_detects_speech_and_silence():
+async def test_vad_uses_the_silero_vad_package_model(vad_model):
+    path = vad_model.session._model_path  # onnxruntime's record of the file it loaded
+    assert path == resolve("silero-vad", "vad").location
+    assert "silero_vad" in path and "pipecat" not in path
+
+
+async def test_calls_share_the_vad_session_but_not_its_state(vad_model):
+    a, b = make_vad(VADConfig(), vad_model), make_vad(VADConfig(), vad_model)
+    assert a._model.session is b._model.session is vad_model.session
+    a.set_sample_rate(16000)
+    for chunk in frames(speech(QUESTION), 16000):
+        await a.analyze_audio(chunk.tobytes())
+    assert a._model._state.any()  # Silero's recurrent state, after speech ...
+    assert not b._model._state.any()  # ... is the call's own
+
+
+async def test_vad_detects_speech_and_silence(vad_model):
     cfg = VADConfig(start_secs=0.2, stop_secs=0.5)
-    vad = make_vad(cfg)
+    vad = make_vad(cfg, vad_model)
     vad.set_sample_rate(16000)
     audio = np.concatenate([silence(1.0), speech(QUESTION), silence(1.0)])
     states = [(await vad.analyze_audio(c.tobytes())) for c in frames(audio, 16000)]
@@ -83,7 +98,7 @@ async def test_vad_detects_speech_and_silence():
 
 @pytest.fixture(scope="module")
 def whisper():
-    return shared_whisper(resolve("whisper-tiny.en", "asr").location, "auto", "auto")
+    return load_asr_model(ASRConfig())
 
 
 def stt_results(down):
@@ -201,9 +216,14 @@ class FirstAudioObserver(BaseObserver):
             self.first_audio = time.perf_counter()
 
 
+@pytest.fixture(scope="module")
+def voice():
+    return load_tts_voice(TTSConfig())
+
+
 @pytest.fixture
-def tts():
-    return make_tts(TTSConfig())  # a processor serves one pipeline: a fresh one per test
+def tts(voice):
+    return make_tts(TTSConfig(), voice)  # a processor serves one pipeline: a fresh one per test
 
 
 async def test_tts_speaks_the_first_clause_before_the_rest_of_the_reply_exists(tts):

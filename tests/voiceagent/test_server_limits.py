@@ -153,3 +153,13 @@ async def test_the_last_turn_is_recorded_when_a_call_ends_before_its_answer_does
     await asyncio.wait_for(running, 10)
     assert events == ["started", "flushed", "ended"]
     assert isinstance(call, ActiveCall) and not registry.active
+
+
+async def test_waiting_for_idle_slots_returns_once_the_last_call_is_released():
+    registry = CallRegistry(max_calls=2)
+    call = registry.reserve("twilio")
+    with pytest.raises(TimeoutError, match="1 call.s. still hold a slot"):
+        await registry.wait_idle(0.2)
+    asyncio.get_running_loop().call_later(0.1, registry.release, call)
+    await asyncio.wait_for(registry.wait_idle(5), 1)
+    assert not registry.active

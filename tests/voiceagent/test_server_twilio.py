@@ -141,6 +141,20 @@ async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on
             await first.hang_up()
 
 
+async def test_a_refused_caller_is_not_left_waiting_to_speak(tmp_path, models):
+    async with serving(server_config(tmp_path, "server.max_calls=1"), models) as (app, base):
+        async with TwilioCaller(ws_url(base)) as first:
+            await first.start()
+            assert await until(lambda: len(app.state.server.calls.active) == 1, 5)
+            async with TwilioCaller(ws_url(base)) as second:
+                await second.start()
+                await second.wait(lambda r: r.close_code is not None, 5)
+                await asyncio.sleep(0.1)  # its media stream has stopped
+                said = await asyncio.wait_for(second.say(speech(QUESTION)), 5)
+            assert second.received.close_code == 1013 and said.ended >= said.started
+            await first.hang_up()
+
+
 async def test_a_silent_peer_is_closed_after_the_idle_timeout(tmp_path, models):
     async with serving(server_config(tmp_path, "server.idle_timeout_s=1"), models) as (_, base):
         async with TwilioCaller(ws_url(base)) as caller:

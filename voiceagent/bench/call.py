@@ -25,14 +25,12 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from audio.loaders import load_piper
 from audio.synth import silence, synthesize
 from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import PROMPTS_DIR, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.figures import fmt, fmt_share, percentile
 from voiceagent.logs import progress_bar, write
-from voiceagent.models import resolve
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.sim.call import RATE, simulate_call
@@ -190,7 +188,7 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                remotes: dict[str, RemoteChat]) -> tuple[dict[str, list], dict[str, str]]:
     say = write  # progress on stderr, above the bar on a terminal
     shared = _load(cfg, variants, remotes, say)
-    voice = load_piper(resolve(cfg.tts.voice, "tts").location)
+    voice = shared.speech.voice  # the caller speaks with the bot's voice
     turns: dict[str, list] = {v.name: [] for v in variants}
     before = {name: await chat.speculation() for name, chat in remotes.items()}
     bar = progress_bar(repeats * len(script["calls"]) * len(variants), "bench call", "call")

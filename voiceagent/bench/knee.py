@@ -54,6 +54,8 @@ async def knee(cfg: Config, shared, audio: list, callers: list[int], methods: li
             await conversation(url, audio[:1], 0)  # warm-up, not counted
             for n in callers:
                 say(f"knee: {method}, {n} caller(s) at once")
+                # the previous level's calls must not count as refusals
+                await app.state.server.calls.wait_idle()
                 before = set(records.by_call)
                 outcomes = await asyncio.gather(*(
                     conversation(url, audio, i * STAGGER_S) for i in range(n)))

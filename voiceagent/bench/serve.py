@@ -22,9 +22,7 @@ from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import Config
 from voiceagent.figures import fmt, percentile
 from voiceagent.logs import progress_bar, write
-from voiceagent.models import resolve
 from voiceagent.pipeline.builder import load_shared
-from voiceagent.pipeline.tts import shared_piper_voice
 from voiceagent.server.serve import serving_in_process
 from voiceagent.sim.twilio_caller import TwilioCaller
 
@@ -52,7 +50,7 @@ def rss_mb() -> float:
 class Bench:
     def __init__(self, cfg: Config, shared, say):
         self.cfg, self.shared, self.say = cfg, shared, say
-        voice = shared_piper_voice(str(resolve(cfg.tts.voice, "tts").location), cfg.tts.use_cuda)
+        voice = shared.speech.voice
         self.speech = {t: synthesize(voice, t, 16000) for t in [*QUESTIONS, STORY, STOP]}
 
     async def turns(self, url: str, questions: list[str]) -> list[float]:
@@ -65,7 +63,11 @@ class Bench:
                 said = await caller.say(self.speech[question])
                 first = await caller.reply(said.ended, REPLY_TIMEOUT_S)
                 if first is None:
-                    raise RuntimeError(f"no reply to {question!r} in {REPLY_TIMEOUT_S} s")
+                    closed = caller.received.close_code
+                    why = (f"the server closed the call ({closed} "
+                           f"{caller.received.close_reason})" if closed is not None
+                           else f"no reply in {REPLY_TIMEOUT_S} s")
+                    raise RuntimeError(f"{question!r}: {why}")
                 trips.append(1000 * (first - said.ended))
             await caller.hang_up()
         return trips
@@ -88,7 +90,7 @@ class Bench:
         out: dict = {}
         async with serving_in_process(self.cfg, self.shared) as (app, base):
             url = base.replace("http://", "ws://") + "/telephony/twilio"
-            records = app.state.server.records
+            records, slots = app.state.server.records, app.state.server.calls
             self.say(f"one call, {turns} turns")
             trips = await self.turns(url, QUESTIONS[:turns])
             [turn_records] = records.by_call.values()
@@ -99,6 +101,7 @@ class Bench:
             bar = progress_bar(len(concurrency) + soak, "bench serve", "step")
             for n in concurrency:
                 self.say(f"{n} simultaneous call(s)")
+                await slots.wait_idle()
                 before = set(records.by_call)
                 results = await asyncio.gather(*(self.turns(url, QUESTIONS[i:i + 2])
                                                  for i in range(n)))
@@ -113,6 +116,7 @@ class Bench:
             gc.collect()
             rss, objects = [rss_mb()], [len(gc.get_objects())]
             for i in range(soak):
+                await slots.wait_idle()
                 await self.turns(url, [QUESTIONS[i % len(QUESTIONS)]])
                 gc.collect()
                 rss.append(rss_mb())
@@ -128,10 +132,13 @@ class Bench:
         story_cfg = self.cfg.model_copy(deep=True)
         story_cfg.agent.system_prompt = STORY_PROMPT
         story_cfg.engine.sampling.max_new_tokens = 160
-        async with serving_in_process(story_cfg, self.shared) as (_app, base):
+        async with serving_in_process(story_cfg, self.shared) as (story_app, base):
             self.say("barge-in x3")
             url = base.replace("http://", "ws://") + "/telephony/twilio"
-            out["barge_in_to_clear_ms"] = [await self.barge_in(url) for _ in range(3)]
+            out["barge_in_to_clear_ms"] = []
+            for _ in range(3):
+                await story_app.state.server.calls.wait_idle()
+                out["barge_in_to_clear_ms"].append(await self.barge_in(url))
         return out
 
 

@@ -10,8 +10,8 @@ reply from a provisional context, and the gate after the TTS holds that reply un
 confirmed.
 
 The LLM (the in-process engine, or a client of a remote OpenAI-compatible server: `llm.backend`)
-and the Whisper model are loaded once per process (`SharedModels`) and shared by every call; each
-call gets its own services, context and clocks observer.
+and the speech models (ASR, TTS, VAD, Smart Turn) are loaded once per process (`SharedModels`)
+and shared by every call; each call gets its own services, context and clocks observer.
 """
 
 from __future__ import annotations
@@ -38,17 +38,17 @@ from pipecat.transports.base_transport import BaseTransport
 from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config, TurnConfig
 from voiceagent.llm_setup import LLMRuntime, build_runtime
-from voiceagent.models import resolve
 from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat, ToolUse
 from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.remote_llm import connect
-from voiceagent.pipeline.stt import make_stt, shared_whisper
+from voiceagent.pipeline.speech_models import SpeechModels
+from voiceagent.pipeline.stt import make_stt
 from voiceagent.pipeline.tool_calls import register_tools
-from voiceagent.pipeline.tts import make_tts, shared_piper_voice
+from voiceagent.pipeline.tts import make_tts
 from voiceagent.pipeline.turn_record import TurnRecord
-from voiceagent.pipeline.turns import shared_smart_turn_session, turn_strategies
+from voiceagent.pipeline.turns import turn_strategies
 from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
 from voiceagent.tools import load_tools
 from voiceagent.urls import redact
@@ -57,11 +57,13 @@ from voiceagent.urls import redact
 @dataclass
 class SharedModels:
     """Loaded once per process and shared by every call. With a remote LLM (`llm.backend:
-    openai`) there is no in-process engine: `llm` and `engine` are None."""
+    openai`) there is no in-process engine: `llm` and `engine` are None. `speech` is None in a
+    process that serves no calls (tests of the HTTP API)."""
 
     llm: LLMRuntime | None
     engine: AsyncEngine | None
     chat: ChatBackend | None = None  # the pipeline's LLM; None: the in-process engine
+    speech: SpeechModels | None = None
 
     def __post_init__(self) -> None:
         if self.chat is None:
@@ -77,9 +79,9 @@ class SharedModels:
 def load_shared(cfg: Config, progress: Callable[[str], None] = print,
                 also: Collection[str] = ()) -> SharedModels:
     """Load the LLM (with the drafts of the methods in `also`, for a benchmark) and start its
-    engine thread; warm the per-process ASR, TTS and VAD models so the first call does not pay
-    their load. A remote LLM is checked (it answers, it serves the model) instead of loaded.
-    The configured tools are imported first: a bad entry fails here, before any model loads."""
+    engine thread, then the speech models, so the first call pays for no load. A remote LLM is
+    checked (it answers, it serves the model) instead of loaded. The configured tools are
+    imported first: a bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)
     if cfg.llm.backend == "openai":
         progress(f"connecting to the LLM server at {redact(cfg.llm.base_url or '')} ...")
@@ -93,15 +95,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
         schemas = [t.schema for t in tools]
         shared.chat.prepare_tools([ToolUse(schemas), SpeculativeLLMService.answer_tools(schemas),
                                    *(ToolUse(schemas, (t.name,)) for t in tools if t.triggers)])
-    asr = resolve(cfg.asr.model, "asr")
-    progress(f"loading ASR {cfg.asr.model} ...")
-    shared_whisper(asr.location, cfg.asr.device, cfg.asr.compute_type, cfg.asr.cpu_threads)
-    tts = resolve(cfg.tts.voice, "tts")
-    progress(f"loading TTS voice {cfg.tts.voice} ...")
-    shared_piper_voice(str(tts.location), cfg.tts.use_cuda, cfg.tts.cpu_threads)
-    make_vad(cfg.vad)  # loads the shared Silero session
-    if cfg.turn.stop == "smart_turn":
-        shared_smart_turn_session()
+    shared.speech = SpeechModels.load(cfg, progress)
     return shared
 
 
@@ -137,12 +131,15 @@ def build_call(
     `after_input` and `before_output` are transport-specific processors (an idle watchdog,
     Twilio's playback marks); `rtvi` adds pipecat's RTVI messages for a browser client.
     """
+    speech = shared.speech
+    if speech is None:
+        raise ValueError("these shared models have no speech models: load them with load_shared")
     call_id = call_id or uuid.uuid4().hex[:12]
     tools = load_tools(cfg.agent.tools)
     context = LLMContext()
+    strategies = turn_strategies(cfg.turn, speech.smart_turn)
     aggregators = LLMContextAggregatorPair(
-        context, user_params=LLMUserAggregatorParams(user_turn_strategies=turn_strategies(cfg.turn))
-    )
+        context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies))
     llm = SpeculativeLLMService(
         shared.chat,
         session_id=call_id,
@@ -157,14 +154,14 @@ def build_call(
     pipeline = Pipeline([
         transport.input(),
         *after_input,
-        PausingVADProcessor(vad_analyzer=make_vad(cfg.vad)),
-        make_stt(cfg.asr, prepare=cfg.turn.prepare),
+        PausingVADProcessor(vad_analyzer=make_vad(cfg.vad, speech.vad)),
+        make_stt(cfg.asr, speech.whisper, prepare=cfg.turn.prepare),
         # Keys pressed (Twilio `dtmf`, the page's RTVI `dtmf`) become a transcript "DTMF: 1#":
         # a user turn like a spoken one.
         dtmf_aggregator(cfg.turn),
         aggregators.user(),
         llm,
-        make_tts(cfg.tts),
+        make_tts(cfg.tts, speech.voice),
         HeldReplyGate(),
         *before_output,
         transport.output(),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator
-from functools import lru_cache
 
 import numpy as np
 from loguru import logger
@@ -256,19 +255,14 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         self._interim_task = self._pause_task = self._final_task = None
 
 
-@lru_cache(maxsize=4)
-def shared_whisper(location: str, device: str, compute_type: str, cpu_threads: int = 0):
-    """One WhisperModel per process and setting, shared by all calls (CTranslate2 models are
-    safe to call from several threads)."""
-    return load_whisper(location, device=device, compute_type=compute_type,
-                        cpu_threads=cpu_threads)
+def load_asr_model(cfg: ASRConfig):
+    """The WhisperModel the registry names; one per process, shared by every call (CTranslate2
+    models are safe to call from several threads)."""
+    return load_whisper(resolve(cfg.model, "asr").location, device=cfg.device,
+                        compute_type=cfg.compute_type, cpu_threads=cfg.cpu_threads)
 
 
-def make_stt(cfg: ASRConfig, prepare: bool = False) -> StreamingWhisperSTTService:
-    """The pipeline's STT service; the model is loaded once per process. `prepare`: report an
-    eager end of turn at each pause."""
-    location = resolve(cfg.model, "asr").location
-    return StreamingWhisperSTTService(
-        model=shared_whisper(location, cfg.device, cfg.compute_type, cfg.cpu_threads), cfg=cfg,
-        prepare=prepare,
-    )
+def make_stt(cfg: ASRConfig, model, prepare: bool = False) -> StreamingWhisperSTTService:
+    """One call's STT service over the process's `model` (`load_asr_model`). `prepare`: report
+    an eager end of turn at each pause."""
+    return StreamingWhisperSTTService(model=model, cfg=cfg, prepare=prepare)

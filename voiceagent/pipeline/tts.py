@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from functools import lru_cache
 from pathlib import Path
 
 from loguru import logger
@@ -152,18 +151,16 @@ class ClausePiperTTSService(TTSService):
                 yield resample(chunk.audio_int16_array, rate, self.sample_rate).tobytes()
 
 
-@lru_cache(maxsize=4)
-def shared_piper_voice(location: str, use_cuda: bool, cpu_threads: int = 0):
-    """One PiperVoice per process and voice file (its ONNX session is safe to call from several
-    threads)."""
-    return load_piper(location, use_cuda=use_cuda, cpu_threads=cpu_threads)
+def load_tts_voice(cfg: TTSConfig):
+    """The PiperVoice the registry names; one per process, shared by every call (its ONNX
+    session is safe to call from several threads)."""
+    return load_piper(resolve(cfg.voice, "tts").location, use_cuda=cfg.use_cuda,
+                      cpu_threads=cfg.cpu_threads)
 
 
-def make_tts(cfg: TTSConfig) -> ClausePiperTTSService:
-    """The pipeline's TTS service; its output rate follows the transport's."""
+def make_tts(cfg: TTSConfig, voice) -> ClausePiperTTSService:
+    """One call's TTS service over the process's `voice` (`load_tts_voice`); its output rate
+    follows the transport's."""
     location = resolve(cfg.voice, "tts").location
     return ClausePiperTTSService(
-        voice=shared_piper_voice(str(location), cfg.use_cuda, cfg.cpu_threads),
-        voice_name=Path(location).name.removesuffix(".onnx"),
-        cfg=cfg,
-    )
+        voice=voice, voice_name=Path(location).name.removesuffix(".onnx"), cfg=cfg)

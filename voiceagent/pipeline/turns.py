@@ -13,7 +13,6 @@ ours keeps the local one and adds the speculation to it.
 from __future__ import annotations
 
 import asyncio
-from functools import lru_cache
 
 from loguru import logger
 from pipecat.frames.frames import (
@@ -181,8 +180,9 @@ class SustainedSpeechUserTurnStartStrategy(BaseUserTurnStartStrategy):
             await self.task_manager.cancel_task(task)
 
 
-def turn_strategies(cfg: TurnConfig) -> UserTurnStrategies:
-    """The user aggregator's strategies for this config."""
+def turn_strategies(cfg: TurnConfig, smart_turn_session=None) -> UserTurnStrategies:
+    """The user aggregator's strategies for this config; `turn.stop: smart_turn` needs the
+    process's Smart Turn session (`load_smart_turn_session`)."""
     start = default_user_turn_start_strategies()
     if cfg.min_interrupt_s > 0 or cfg.min_interrupt_words > 1:
         # Over the bot, a backchannel ("mm-hmm") shorter than either limit does not take the
@@ -192,19 +192,19 @@ def turn_strategies(cfg: TurnConfig) -> UserTurnStrategies:
             start.append(SustainedSpeechUserTurnStartStrategy(min_speech_s=cfg.min_interrupt_s))
         if cfg.min_interrupt_words > 1:
             start.append(MinWordsUserTurnStartStrategy(min_words=cfg.min_interrupt_words))
-    return UserTurnStrategies(start=start, stop=[_stop_strategy(cfg)])
+    return UserTurnStrategies(start=start, stop=[_stop_strategy(cfg, smart_turn_session)])
 
 
-@lru_cache(maxsize=1)
-def shared_smart_turn_session():
-    """One ONNX session of pipecat's bundled Smart Turn v3 model per process (creating one takes
-    35 ms, too long for the event loop at each call; onnxruntime's Run is thread-safe)."""
+def load_smart_turn_session():
+    """An ONNX session of pipecat's bundled Smart Turn v3 model; one per process, shared by every
+    call (creating one takes 35 ms, too long for the event loop at each call; onnxruntime's Run
+    is thread-safe)."""
     from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 
     return LocalSmartTurnAnalyzerV3(cpu_count=1)._session
 
 
-def _smart_turn_analyzer():
+def _smart_turn_analyzer(session):
     """pipecat's LocalSmartTurnAnalyzerV3 with its own audio state over the shared session."""
     from pipecat.audio.turn.smart_turn.base_smart_turn import BaseSmartTurn
     from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
@@ -212,13 +212,15 @@ def _smart_turn_analyzer():
     analyzer = LocalSmartTurnAnalyzerV3.__new__(LocalSmartTurnAnalyzerV3)
     BaseSmartTurn.__init__(analyzer)  # the per-call state; LocalSmartTurnAnalyzerV3's own
     analyzer._log_data = False  # __init__ would only load the model again
-    analyzer._session = shared_smart_turn_session()
+    analyzer._session = session
     return analyzer
 
 
-def _stop_strategy(cfg: TurnConfig) -> BaseUserTurnStopStrategy:
+def _stop_strategy(cfg: TurnConfig, smart_turn_session) -> BaseUserTurnStopStrategy:
     if cfg.stop == "smart_turn":
-        analyzer = _smart_turn_analyzer()
+        if smart_turn_session is None:
+            raise ValueError("turn.stop is smart_turn, but no Smart Turn model is loaded")
+        analyzer = _smart_turn_analyzer(smart_turn_session)
         if cfg.prepare:
             return PreparingSmartTurnStopStrategy(turn_analyzer=analyzer)
         return TurnAnalyzerUserTurnStopStrategy(turn_analyzer=analyzer)

@@ -4,16 +4,15 @@ pipecat's SileroVADAnalyzer loads the copy of silero_vad.onnx bundled inside pip
 windowing and its state-reset policy and only swap the model, so the model we run is the one the
 registry names (and the one `voiceagent doctor` reports).
 
-The ONNX session is created once per process and shared (onnxruntime's Run is thread-safe, and
-Silero's recurrent state lives in each call's SileroOnnxModel, not in the session): creating one
-took about 25 ms, and a call's pipeline is built on the event loop, where it stalls every other
-call's audio.
+The ONNX session is created once per process (`load_vad_model`, held by SpeechModels) and shared
+(onnxruntime's Run is thread-safe, and Silero's recurrent state lives in each call's copy of the
+SileroOnnxModel, not in the session): creating one took about 25 ms, and a call's pipeline is
+built on the event loop, where it stalls every other call's audio.
 """
 
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
 
 from pipecat.audio.vad.silero import SileroOnnxModel, SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
@@ -26,21 +25,21 @@ from voiceagent.models import resolve
 from voiceagent.pipeline.frames import UserSpeechPausedFrame, UserSpeechResumedFrame
 
 
-@lru_cache(maxsize=4)
-def _shared_model(onnx_path: str) -> SileroOnnxModel:
-    return SileroOnnxModel(onnx_path, force_onnx_cpu=True)
+def load_vad_model(cfg: VADConfig) -> SileroOnnxModel:
+    """The Silero model the registry names; one per process, shared by every call's analyzer."""
+    return SileroOnnxModel(str(resolve(cfg.model, "vad").location), force_onnx_cpu=True)
 
 
 class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
-    """pipecat's Silero analyzer over a given ONNX file; 16 kHz or 8 kHz input, 32 ms windows."""
+    """pipecat's Silero analyzer over a loaded model's session; 16 kHz or 8 kHz input, 32 ms
+    windows."""
 
-    def __init__(self, onnx_path: str, *, sample_rate: int | None = None,
+    def __init__(self, model: SileroOnnxModel, *, sample_rate: int | None = None,
                  params: VADParams | None = None):
         # SileroVADAnalyzer.__init__ would load pipecat's bundled model: set up what it sets up,
         # with our model instead.
         VADAnalyzer.__init__(self, sample_rate=sample_rate, params=params)
-        self.model_path = onnx_path
-        self._model = copy.copy(_shared_model(onnx_path))  # shares the session only
+        self._model = copy.copy(model)  # shares the session only
         self._model.reset_states()
         self._windows_since_reset = 0
         self._low_confidence_windows = 0
@@ -61,10 +60,10 @@ def vad_params(cfg: VADConfig) -> VADParams:
     )
 
 
-def make_vad(cfg: VADConfig, sample_rate: int | None = None) -> RegistrySileroVADAnalyzer:
-    """The VAD analyzer for a pipecat VADProcessor (or a transport's input)."""
-    path = resolve(cfg.model, "vad").location
-    return RegistrySileroVADAnalyzer(str(path), sample_rate=sample_rate, params=vad_params(cfg))
+def make_vad(cfg: VADConfig, model: SileroOnnxModel,
+             sample_rate: int | None = None) -> RegistrySileroVADAnalyzer:
+    """One call's VAD analyzer, over the process's `model` (`load_vad_model`)."""
+    return RegistrySileroVADAnalyzer(model, sample_rate=sample_rate, params=vad_params(cfg))
 
 
 class PausingVADProcessor(VADProcessor):

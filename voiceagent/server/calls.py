@@ -59,6 +59,16 @@ class CallRegistry:
     def release(self, call: ActiveCall) -> None:
         self.active.pop(call.call_id, None)
 
+    async def wait_idle(self, timeout_s: float = 30) -> None:
+        """Until no call holds a slot (a caller that just hung up frees its slot only once its
+        pipeline has ended): the next calls are not refused for the previous ones."""
+        deadline = time.monotonic() + timeout_s
+        while self.active:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.active)} call(s) still hold a slot after "
+                                   f"{timeout_s} s")
+            await asyncio.sleep(0.05)
+
     def spawn(self, coro: Coroutine) -> None:
         """Run `coro` in the background, keeping a reference so it is not collected mid-run."""
         task = asyncio.get_running_loop().create_task(coro)

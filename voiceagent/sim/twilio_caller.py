@@ -115,7 +115,17 @@ class TwilioCaller:
         for i, chunk in enumerate(chunks):
             marks = [f for f, at in ((first, 0), (last, len(chunks) - 1)) if at == i]
             await self._outbox.put((chunk, marks))
-        return Utterance(await first, await last)
+        return Utterance(await self._sent(first), await self._sent(last))
+
+    async def _sent(self, chunk: asyncio.Future) -> float:
+        """When a queued chunk went out; if the call closes first (hung up, or refused by the
+        server) it never will: then, the time it closed. `received.close_code` says why."""
+        closed = asyncio.ensure_future(self.closed.wait())
+        try:
+            await asyncio.wait({chunk, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+        return chunk.result() if chunk.done() else time.monotonic()
 
     async def _stream(self) -> None:
         t0 = time.monotonic()
@@ -131,12 +141,6 @@ class TwilioCaller:
                 future.set_result(now)
             n += 1
             await asyncio.sleep(max(0.0, t0 + n * 0.02 - time.monotonic()))
-        # Closed (hung up, or the server closed): speech still queued is never sent, and whoever
-        # waits for it must not wait for ever; `received.close_code` says why.
-        while not self._outbox.empty():
-            for future in self._outbox.get_nowait()[1]:
-                if not future.done():
-                    future.set_result(time.monotonic())
 
     async def media(self, ulaw: bytes, chunk_no: int = 0) -> None:
         await self.send({
