@@ -9,6 +9,7 @@ from pipecat.frames.frames import (
     CancelFrame,
     EagerEndOfTurnCancelFrame,
     ErrorFrame,
+    Frame,
     InterruptionFrame,
     LLMContextFrame,
     LLMFullResponseEndFrame,
@@ -162,20 +163,20 @@ async def test_start_prefills_the_system_prompt_into_the_session(make_serving, t
     assert request.state.stats.reused_prefix_tokens > 0
 
 
-async def test_interruption_cancels_the_engine_request_and_text_stops(make_serving, tokenizer):
+async def _cut_mid_reply(make_serving, tokenizer, first: Frame, *then: Frame):
+    """`first` starts a reply the engine holds mid-way; `then` arrive while it is in flight.
+    Returns the frames sent down and the engine requests made."""
     serving = make_serving(hold_first=True)
-    llm = _service(serving, tokenizer)
-    frames = [
-        _context("Hello, how can I help you today?"),
-        SleepFrame(sleep=BEFORE_INTERRUPTION_S),
-        InterruptionFrame(),
-        SleepFrame(sleep=0.2),
-        _context("Thank you for calling."),
-    ]
+    frames = [first, SleepFrame(sleep=BEFORE_INTERRUPTION_S), *then]
+    down, _ = await asyncio.wait_for(
+        run_test(_service(serving, tokenizer), frames_to_send=frames), 60)
+    return down, serving.handles
 
-    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
 
-    interrupted, follow = serving.handles
+async def test_interruption_cancels_the_engine_request_and_text_stops(make_serving, tokenizer):
+    down, (interrupted, follow) = await _cut_mid_reply(
+        make_serving, tokenizer, _context("Hello, how can I help you today?"),
+        InterruptionFrame(), SleepFrame(sleep=0.2), _context("Thank you for calling."))
     cut = await interrupted.result()
     assert cut.finish_reason == "cancelled"
     assert len(cut.token_ids) < MAX_NEW
@@ -237,17 +238,9 @@ async def test_assistant_aggregator_closes_the_reply_as_interrupted(make_serving
 
 
 async def test_new_context_cancels_the_reply_in_flight(make_serving, tokenizer):
-    serving = make_serving(hold_first=True)
-    llm = _service(serving, tokenizer)
-    frames = [
-        _context("Hello, how can I help you today?"),
-        SleepFrame(sleep=BEFORE_INTERRUPTION_S),
-        _context("Thank you for calling."),
-    ]
-
-    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
-
-    superseded, follow = serving.handles
+    down, (superseded, follow) = await _cut_mid_reply(
+        make_serving, tokenizer, _context("Hello, how can I help you today?"),
+        _context("Thank you for calling."))
     assert (await superseded.result()).finish_reason == "cancelled"
     replies = _replies(down)  # two replies, one after the other, never interleaved
     assert replies[1] == (await follow.result()).text
@@ -351,17 +344,9 @@ def _prepared(text: str) -> LLMContextFrame:
 
 async def test_withdrawn_prepared_reply_is_cancelled_and_reported_as_discarded(
         make_serving, tokenizer):
-    serving = make_serving(hold_first=True)
-    llm = _service(serving, tokenizer)
-    frames = [
-        _prepared("What is the capital"),
-        SleepFrame(sleep=BEFORE_INTERRUPTION_S),
-        EagerEndOfTurnCancelFrame(),
-        SleepFrame(sleep=0.2),
-        _context("What is the capital of Spain?"),
-    ]
-    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
-    withdrawn, answer = serving.handles
+    down, (withdrawn, answer) = await _cut_mid_reply(
+        make_serving, tokenizer, _prepared("What is the capital"), EagerEndOfTurnCancelFrame(),
+        SleepFrame(sleep=0.2), _context("What is the capital of Spain?"))
     assert (await withdrawn.result()).finish_reason == "cancelled"
     starts = [f for f in down if isinstance(f, LLMFullResponseStartFrame)]
     assert [type(f) for f in starts] == [PreparedResponseStartFrame, LLMFullResponseStartFrame]

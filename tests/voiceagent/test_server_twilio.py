@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -126,33 +127,36 @@ async def test_the_signature_is_checked_against_the_public_url(tmp_path, models)
             await c.hang_up()
 
 
-async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on(tmp_path, models):
+@asynccontextmanager
+async def _a_full_server(tmp_path, models):
+    """A server at its limit of one call; yields that call's caller and the server's URL."""
     async with serving(server_config(tmp_path, "server.max_calls=1"), models) as (app, base):
         async with TwilioCaller(ws_url(base)) as first:
             await first.start()
             assert await until(lambda: len(app.state.server.calls.active) == 1, 5)
-            async with TwilioCaller(ws_url(base)) as second:
-                await second.start(stream=False)
-                await second.wait(lambda r: r.close_code is not None, 5)
-            assert second.received.close_code == 1013
-            assert second.received.close_reason.startswith("server busy: 1 of 1 calls")
-            said = await first.say(speech(QUESTION))
-            assert await first.wait(_replied_after(said.ended), REPLY_TIMEOUT_S)
+            yield first, base
             await first.hang_up()
+
+
+async def test_a_call_over_the_limit_is_refused_and_the_call_in_progress_goes_on(tmp_path, models):
+    async with _a_full_server(tmp_path, models) as (first, base):
+        async with TwilioCaller(ws_url(base)) as second:
+            await second.start(stream=False)
+            await second.wait(lambda r: r.close_code is not None, 5)
+        assert second.received.close_code == 1013
+        assert second.received.close_reason.startswith("server busy: 1 of 1 calls")
+        said = await first.say(speech(QUESTION))
+        assert await first.wait(_replied_after(said.ended), REPLY_TIMEOUT_S)
 
 
 async def test_a_refused_caller_is_not_left_waiting_to_speak(tmp_path, models):
-    async with serving(server_config(tmp_path, "server.max_calls=1"), models) as (app, base):
-        async with TwilioCaller(ws_url(base)) as first:
-            await first.start()
-            assert await until(lambda: len(app.state.server.calls.active) == 1, 5)
-            async with TwilioCaller(ws_url(base)) as second:
-                await second.start()
-                await second.wait(lambda r: r.close_code is not None, 5)
-                await asyncio.sleep(0.1)  # its media stream has stopped
-                said = await asyncio.wait_for(second.say(speech(QUESTION)), 5)
-            assert second.received.close_code == 1013 and said.ended >= said.started
-            await first.hang_up()
+    async with _a_full_server(tmp_path, models) as (_first, base):
+        async with TwilioCaller(ws_url(base)) as second:
+            await second.start()
+            await second.wait(lambda r: r.close_code is not None, 5)
+            await asyncio.sleep(0.1)  # its media stream has stopped
+            said = await asyncio.wait_for(second.say(speech(QUESTION)), 5)
+        assert second.received.close_code == 1013 and said.ended >= said.started
 
 
 async def test_a_silent_peer_is_closed_after_the_idle_timeout(tmp_path, models):
