@@ -51,10 +51,12 @@ def test_gguf_is_dequantised_once_then_loaded_from_cache(tmp_path):
 def test_gguf_dequantisation_draws_no_bar_when_transformers_bars_are_off(tmp_path, capfd):
     from transformers.utils import logging as hf_logging
 
+    was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # as the CLI does off a terminal and under --log-json
     try:
         load_causal_lm(resolve("smollm2-135m-instruct", "llm").location, cache_dir=tmp_path,
                        progress=lambda _: None)
     finally:
-        hf_logging.enable_progress_bar()
+        if was_on:
+            hf_logging.enable_progress_bar()
     assert "de-quantizing GGUF" not in capfd.readouterr().err

@@ -2,8 +2,15 @@
 
 import pytest
 
-from voiceagent.bench.call import Variant, parse_backends, render_tool_turns, tool_turns
+from voiceagent.bench.call import (
+    Variant,
+    parse_backends,
+    render_tool_turns,
+    speech_per_variant,
+    tool_turns,
+)
 from voiceagent.config import ConfigError, load_config
+from voiceagent.pipeline.speech_models import SpeechModels
 
 
 def test_variant_turns_on_its_features_and_only_those():
@@ -21,6 +28,19 @@ def test_variant_overrides_apply_to_its_copy_of_the_config():
     changed = variant.configure(cfg)
     assert (changed.vad.stop_secs, changed.tts.cpu_threads) == (0.3, 1)
     assert cfg.vad.stop_secs == 0.5 and cfg.tts.cpu_threads == 0  # the base is untouched
+
+
+def test_a_variant_that_changes_the_speech_models_runs_on_its_own():
+    cfg = load_config()
+    shared = SpeechModels.load(load_config(None, ["turn.stop=smart_turn"]), lambda _: None)
+    variants = [Variant.parse(n) for n in ("ngram+prepare+smart_turn", "off",
+                                           "off:tts.cpu_threads=1", "ngram:tts.cpu_threads=1")]
+    speech = speech_per_variant(cfg, variants, shared, lambda _: None)
+    assert speech["ngram+prepare+smart_turn"] is speech["off"] is shared
+    own = speech["off:tts.cpu_threads=1"]
+    assert own is not shared and own is speech["ngram:tts.cpu_threads=1"]  # loaded once
+    assert own.settings["tts.cpu_threads"] == 1
+    assert all(speech[v.name].serves(v.configure(cfg)) is None for v in variants)
 
 
 def test_unknown_feature_or_key_is_refused_with_the_valid_ones():

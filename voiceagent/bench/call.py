@@ -33,6 +33,7 @@ from voiceagent.figures import fmt, fmt_share, percentile
 from voiceagent.logs import progress_bar, write
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
+from voiceagent.pipeline.speech_models import SpeechModels
 from voiceagent.sim.call import RATE, simulate_call
 from voiceagent.urls import redact
 
@@ -163,12 +164,32 @@ def connect_backends(cfg: Config, backends: dict[str, str]) -> dict[str, RemoteC
 
 def _load(cfg: Config, variants: list[Variant], remotes: dict[str, RemoteChat],
           say) -> SharedModels:
-    """The in-process engine only when a variant runs on it (with the drafts they use)."""
+    """The in-process engine only when a variant runs on it (with the drafts they use); Smart
+    Turn when a variant ends turns with it."""
+    base = cfg.model_copy(deep=True)
+    if any(v.smart_turn for v in variants):
+        base.turn.stop = "smart_turn"
     local = [v.method for v in variants if v.method not in remotes]
     if local:
-        return load_shared(cfg.model_copy(update={"llm": LLMConfig()}), say, also=local)
-    first = next(iter(remotes.values()))
-    return load_shared(cfg.model_copy(update={"llm": first.cfg}), say)
+        base.llm = LLMConfig()
+        return load_shared(base, say, also=local)
+    base.llm = next(iter(remotes.values())).cfg
+    return load_shared(base, say)
+
+
+def speech_per_variant(cfg: Config, variants: list[Variant], shared: SpeechModels,
+                       say) -> dict[str, SpeechModels]:
+    """The `shared` speech models, and for a variant that changes them (`:tts.cpu_threads=1`)
+    its own, loaded once per setting."""
+    loaded, out = [shared], {}
+    for v in variants:
+        variant_cfg = v.configure(cfg)
+        models = next((m for m in loaded if m.serves(variant_cfg) is None), None)
+        if models is None:
+            models = SpeechModels.load(variant_cfg, say)
+            loaded.append(models)
+        out[v.name] = models
+    return out
 
 
 def counted_during(before: dict | None, after: dict | None) -> str:
@@ -189,6 +210,7 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
     say = write  # progress on stderr, above the bar on a terminal
     shared = _load(cfg, variants, remotes, say)
     voice = shared.speech.voice  # the caller speaks with the bot's voice
+    speech = speech_per_variant(cfg, variants, shared.speech, say)
     turns: dict[str, list] = {v.name: [] for v in variants}
     before = {name: await chat.speculation() for name, chat in remotes.items()}
     bar = progress_bar(repeats * len(script["calls"]) * len(variants), "bench call", "call")
@@ -202,9 +224,9 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                     call_cfg.engine.sampling.max_new_tokens = 160
                 order = variants if (r + i) % 2 == 0 else variants[::-1]
                 for v in order:
-                    models = shared
+                    models = dataclasses.replace(shared, speech=speech[v.name])
                     if v.method in remotes:
-                        models = dataclasses.replace(shared, chat=remotes[v.method])
+                        models = dataclasses.replace(models, chat=remotes[v.method])
                     result = await simulate_call(v.configure(call_cfg), models, audio,
                                                  method=v.method)
                     say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)")

@@ -52,13 +52,15 @@ async def knee(cfg: Config, shared, audio: list, callers: list[int], methods: li
             url = base.replace("http://", "ws://") + "/telephony/twilio"
             records = app.state.server.records
             await conversation(url, audio[:1], 0)  # warm-up, not counted
+            # a call's slot is free once its pipeline has ended: no level is refused for the
+            # calls before it, and each level's records are complete
+            await app.state.server.calls.wait_idle()
             for n in callers:
                 say(f"knee: {method}, {n} caller(s) at once")
-                # the previous level's calls must not count as refusals
-                await app.state.server.calls.wait_idle()
                 before = set(records.by_call)
                 outcomes = await asyncio.gather(*(
                     conversation(url, audio, i * STAGGER_S) for i in range(n)))
+                await app.state.server.calls.wait_idle()
                 calls = [records.by_call[c] for c in records.by_call if c not in before]
                 levels.append(level(method, n, outcomes, calls, threshold_ms))
                 bar.update()

@@ -93,6 +93,7 @@ class Bench:
             records, slots = app.state.server.records, app.state.server.calls
             self.say(f"one call, {turns} turns")
             trips = await self.turns(url, QUESTIONS[:turns])
+            await slots.wait_idle()  # its pipeline has ended and its turns are recorded
             [turn_records] = records.by_call.values()
             out["round_trip_ms"] = trips
             out["round_trip_clock3_ms"] = [t.clocks.turn_end_to_first_audio_ms
@@ -101,10 +102,10 @@ class Bench:
             bar = progress_bar(len(concurrency) + soak, "bench serve", "step")
             for n in concurrency:
                 self.say(f"{n} simultaneous call(s)")
-                await slots.wait_idle()
                 before = set(records.by_call)
                 results = await asyncio.gather(*(self.turns(url, QUESTIONS[i:i + 2])
                                                  for i in range(n)))
+                await slots.wait_idle()
                 new = [c for c in records.by_call if c not in before]
                 out["concurrency"][n] = {
                     "clock3_ms": [t.clocks.turn_end_to_first_audio_ms
@@ -116,8 +117,8 @@ class Bench:
             gc.collect()
             rss, objects = [rss_mb()], [len(gc.get_objects())]
             for i in range(soak):
-                await slots.wait_idle()
                 await self.turns(url, [QUESTIONS[i % len(QUESTIONS)]])
+                await slots.wait_idle()  # no pipeline of it is alive when memory is read
                 gc.collect()
                 rss.append(rss_mb())
                 objects.append(len(gc.get_objects()))
@@ -137,8 +138,8 @@ class Bench:
             url = base.replace("http://", "ws://") + "/telephony/twilio"
             out["barge_in_to_clear_ms"] = []
             for _ in range(3):
-                await story_app.state.server.calls.wait_idle()
                 out["barge_in_to_clear_ms"].append(await self.barge_in(url))
+                await story_app.state.server.calls.wait_idle()
         return out
 
 

@@ -95,7 +95,11 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
         schemas = [t.schema for t in tools]
         shared.chat.prepare_tools([ToolUse(schemas), SpeculativeLLMService.answer_tools(schemas),
                                    *(ToolUse(schemas, (t.name,)) for t in tools if t.triggers)])
-    shared.speech = SpeechModels.load(cfg, progress)
+    try:
+        shared.speech = SpeechModels.load(cfg, progress)
+    except BaseException:
+        shared.close()  # the engine thread started above
+        raise
     return shared
 
 
@@ -134,6 +138,8 @@ def build_call(
     speech = shared.speech
     if speech is None:
         raise ValueError("these shared models have no speech models: load them with load_shared")
+    if (why := speech.serves(cfg)) is not None:
+        raise ValueError(f"cannot build the call: {why}")
     call_id = call_id or uuid.uuid4().hex[:12]
     tools = load_tools(cfg.agent.tools)
     context = LLMContext()

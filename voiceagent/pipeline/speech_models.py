@@ -19,13 +19,26 @@ from voiceagent.pipeline.tts import load_tts_voice
 from voiceagent.pipeline.turns import load_smart_turn_session
 from voiceagent.pipeline.vad import load_vad_model
 
+SETTINGS = ("asr.model", "asr.device", "asr.compute_type", "asr.cpu_threads", "tts.voice",
+            "tts.use_cuda", "tts.cpu_threads", "vad.model")
 
-@dataclass(frozen=True)
+
+def speech_settings(cfg: Config) -> dict[str, object]:
+    """The config keys that decide which speech models it needs (Smart Turn aside)."""
+    out = {}
+    for key in SETTINGS:
+        section, name = key.split(".")
+        out[key] = getattr(getattr(cfg, section), name)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
 class SpeechModels:
     whisper: Any  # faster_whisper.WhisperModel
     voice: Any  # piper.PiperVoice
     vad: SileroOnnxModel
-    smart_turn: Any | None = None  # onnxruntime.InferenceSession; None unless turn.stop needs it
+    smart_turn: Any | None  # onnxruntime.InferenceSession; None unless turn.stop needs it
+    settings: dict[str, object]  # speech_settings of the config they were loaded for
 
     @classmethod
     def load(cls, cfg: Config, progress: Callable[[str], None] = print) -> SpeechModels:
@@ -35,4 +48,16 @@ class SpeechModels:
         voice = load_tts_voice(cfg.tts)
         vad = load_vad_model(cfg.vad)
         smart_turn = load_smart_turn_session() if cfg.turn.stop == "smart_turn" else None
-        return cls(whisper, voice, vad, smart_turn)
+        return cls(whisper, voice, vad, smart_turn, speech_settings(cfg))
+
+    def serves(self, cfg: Config) -> str | None:
+        """None if a call with `cfg` can run on these models; otherwise why not (a call must
+        not silently run on a model other than the one its config names)."""
+        wanted = speech_settings(cfg)
+        differ = [f"{k}={wanted[k]!r} (loaded: {self.settings[k]!r})" for k in SETTINGS
+                  if wanted[k] != self.settings[k]]
+        if differ:
+            return f"the speech models were loaded for other settings: {', '.join(differ)}"
+        if cfg.turn.stop == "smart_turn" and self.smart_turn is None:
+            return "turn.stop is smart_turn, but no Smart Turn model is loaded"
+        return None

@@ -119,7 +119,8 @@ class TwilioCaller:
 
     async def _sent(self, chunk: asyncio.Future) -> float:
         """When a queued chunk went out; if the call closes first (hung up, or refused by the
-        server) it never will: then, the time it closed. `received.close_code` says why."""
+        server) it never will: then, the time this finds it closed. `received.close_code` says
+        why."""
         closed = asyncio.ensure_future(self.closed.wait())
         try:
             await asyncio.wait({chunk, closed}, return_when=asyncio.FIRST_COMPLETED)
