@@ -4,7 +4,9 @@
 `turns` questions at real-time pace, started a little apart as real callers are. Per N: clock 3
 p50/p95, ITL p95, calls refused by the admission limit (`server.max_calls`, close 1013), and how
 many conversations stayed within the latency threshold (every turn's clock 3 under it). The knee
-is the largest N at which at least `KEEP_SHARE` of the conversations stayed within it.
+is the most calls the server ran at once with at least `KEEP_SHARE` of them within it: callers it
+refused are not counted against it, nor as served. Run it with `server.max_calls` at the largest N
+to find where the machine bends.
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: f
 
 
 def knee_of(levels: list[dict]) -> int:
-    """The most callers at once at which at least KEEP_SHARE of the admitted conversations
-    stayed within the threshold and none failed; 0 if no level did."""
-    good = [lv["callers"] for lv in levels
+    """The most calls admitted at once of which at least KEEP_SHARE stayed within the
+    threshold and none failed; 0 if no level did."""
+    good = [lv["admitted"] for lv in levels
             if lv["admitted"] and not lv["failed"]
             and lv["within"] >= KEEP_SHARE * lv["admitted"]]
     return max(good, default=0)
@@ -109,7 +111,7 @@ def render_knee(r: dict) -> str:
         lines.append(f"| {lv['method']} | {lv['callers']} | {lv['admitted']} | {lv['refused']} | "
                      f"{lv['failed']} | {ms(lv['clock3_p50_ms'])} | {ms(lv['clock3_p95_ms'])} | "
                      f"{ms(lv['itl_p95_ms'])} | {lv['within']}/{lv['admitted']} |")
-    lines += ["", "Knee (most callers at once with ≥ "
+    lines += ["", "Knee (most calls served at once with ≥ "
               f"{KEEP_SHARE:.0%} of conversations within the threshold): "
               + ", ".join(f"{m} {k}" for m, k in r["knee"].items())]
     return "\n".join(lines)
