@@ -174,6 +174,15 @@ def test_no_bars_off_a_terminal_only_plain_lines(capsys):
     assert capsys.readouterr().err == "[1/3] step\n[2/3] step\n[3/3] step\n"
 
 
+def test_transformers_imported_after_the_logs_are_set_up_is_routed_and_draws_no_bar():
+    # The CLI configures the logs before any command imports transformers (in a fresh process).
+    code = ("import logging, voiceagent.logs as logs; logs.configure(); "
+            "from transformers.utils import logging as hf; "
+            "print(hf.is_progress_bar_enabled(), logging.getLogger('transformers').propagate)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout  # stderr is a pipe here
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
