@@ -36,6 +36,7 @@ async def test_a_call_hears_the_bot_and_gets_a_mark_after_its_utterance(tmp_path
             await asyncio.sleep(0.3)  # our echo of the mark reaches the server
             assert caller.received.close_code is None, "the echoed mark was refused"
             await caller.hang_up()
+        await app.state.server.calls.wait_idle(10)  # the call's end records its last turn
         [record] = next(iter(app.state.server.records.by_call.values()))
         assert "france" in record.user_text.lower()
         assert record.clocks.turn_end_to_first_audio_ms > 0
@@ -181,6 +182,7 @@ async def test_three_simultaneous_calls_each_get_a_reply(tmp_path, models):
                 return caller.received.media_after(said.ended) - said.ended
 
         round_trips = await asyncio.gather(*(one_call(q) for q in questions))
+        await app.state.server.calls.wait_idle(10)  # each call's end records its last turn
         records = app.state.server.records.by_call
         assert len(records) == 3 and all(len(turns) >= 1 for turns in records.values())
         clock3 = [turns[0].clocks.turn_end_to_first_audio_ms for turns in records.values()]
@@ -199,6 +201,7 @@ async def test_saying_goodbye_closes_the_stream_after_the_goodbye_is_heard(tmp_p
             heard = sum(n for t, n in caller.received.media if t >= said.ended) / 8000
         assert caller.received.close_code == 1000
         assert heard > 1.0, f"the stream closed after {heard:.2f} s of the goodbye"
+        await app.state.server.calls.wait_idle(10)  # the call's end records its last turn
         [record] = next(iter(app.state.server.records.by_call.values()))
         assert [c.name for c in record.tool_calls] == ["end_call"]
         assert app.state.server.cfg.agent.goodbye in record.bot_text
