@@ -222,3 +222,15 @@ async def test_two_servers_on_one_postgres_store_each_list_both_calls(
         both = {c["call_id"] for c in await _ended_calls(b, 2)}
         assert from_a in both and len(both) == 2
         assert {c["call_id"] for c in await _ended_calls(a, 2)} == both
+
+
+def test_opening_the_store_waits_on_no_other_process_writing(tmp_path, postgres_url):
+    """A no-op CREATE INDEX would wait for the open write below (and, with a second table
+    written, deadlock with it)."""
+    PostgresTurnStore(postgres_url, tmp_path / "first").close()
+    with psycopg.connect(postgres_url) as writing:
+        writing.execute("INSERT INTO calls (call_id, kind, started_at) VALUES ('c', 'x', 1)")
+        started = time.monotonic()
+        PostgresTurnStore(postgres_url, tmp_path / "second").close()
+        assert time.monotonic() - started < 5  # a lock wait lasts the 10 s statement timeout
+        writing.rollback()

@@ -4,9 +4,10 @@ machine or many, so that one dashboard shows every call.
 Each process keeps its journal on its own disk (`<runs_dir>/postgres.journal-<pid>`): a turn
 that PostgreSQL cannot take now (a restart, an outage) waits there and is committed when the
 server is back. Processes that start together create the schema one at a time (an advisory lock
-held by the creating transaction). A runs dir serves one store: a gone process's journal there
-is committed to the store of the next process that opens one. The password never reaches a
-message or a log: the URL is shown without it.
+held by the creating transaction); one that finds the schema there runs no DDL, which would lock
+tables that other processes are writing to. A runs dir serves one store: a gone process's
+journal there is committed to the store of the next process that opens one. The password never
+reaches a message or a log: the URL is shown without it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ class PostgresTurnStore(SQLTurnStore):
     def _create_schema(self, db: psycopg.Connection) -> None:
         # CREATE ... IF NOT EXISTS alone races: two creators can both miss the table.
         db.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
-        db.execute(SCHEMA)
+        # Even a no-op CREATE INDEX locks its table against writes: with another process
+        # writing to both tables, that deadlocks. A schema is created whole or not at all.
+        if db.execute("SELECT to_regclass('meta') IS NULL").fetchone()[0]:
+            db.execute(SCHEMA)
 
     def _execute(self, db: psycopg.Connection, sql: str, params: tuple = ()) -> psycopg.Cursor:
         return db.execute(sql.replace("?", "%s"), params)
