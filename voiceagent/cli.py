@@ -188,7 +188,7 @@ def _bench_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from voiceagent.doctor import run_doctor
+    from voiceagent.commands.doctor import run_doctor
 
     cfg = load_config(args.config, args.overrides)
     report = run_doctor(cfg)
@@ -202,7 +202,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from voiceagent.chat import run_chat
+    from voiceagent.commands.chat import run_chat
 
     return run_chat(load_config(args.config, args.overrides), args)
 
@@ -236,7 +236,7 @@ def cmd_call(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from voiceagent.report import run_report
+    from voiceagent.commands.report import run_report
 
     return run_report(load_config(args.config, args.overrides), args)
 

@@ -10,10 +10,10 @@ import pytest
 
 from llm_engine.stats import RequestStats, StepStats
 from voiceagent.cli import main
+from voiceagent.commands.report import parse_since
 from voiceagent.dashboard.stats import overview
 from voiceagent.dashboard.store import SQLiteTurnStore
 from voiceagent.pipeline.turn_record import Percentiles, TurnRecord
-from voiceagent.report import parse_since
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("clocks", "accepted", "rejections", "draft_verify", "waterfall")
