@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from tests.voiceagent.turns import make_turn
-from voiceagent.dashboard.store import CallInfo, SQLTurnStore, StoreError
+from voiceagent.dashboard.store import SCHEMA_VERSION, CallInfo, SQLTurnStore, StoreError
 from voiceagent.dashboard.store_postgres import PostgresTurnStore
 from voiceagent.dashboard.store_sqlite import SQLiteTurnStore
 from voiceagent.pipeline.records import TurnRecords
@@ -48,13 +48,16 @@ class Backend:
                 f"store = SQLiteTurnStore({str(self.files)!r})\n")
 
     def set_schema_version(self, version: int) -> None:
-        sql = f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'"
+        self.run(f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version'")
+
+    def run(self, sql: str) -> None:
+        """Run `sql` (statements separated by `;`) on the store's database, outside any store."""
         if self.url:
             with psycopg.connect(self.url, autocommit=True) as db:
                 db.execute(sql)
         else:
             with sqlite3.connect(self.files) as db:
-                db.execute(sql)
+                db.executescript(sql)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -151,8 +154,77 @@ def test_a_killed_process_loses_no_committed_turn(backend):
 def test_a_store_of_another_schema_version_is_refused(backend):
     backend.open().close()
     backend.set_schema_version(99)
-    with pytest.raises(StoreError, match="schema version 99, this voiceagent reads version 1"):
+    with pytest.raises(StoreError, match="schema version 99, this voiceagent reads version "
+                                         f"{SCHEMA_VERSION}"):
         backend.open()
+
+
+def test_a_twilio_call_keeps_its_call_sid(backend):
+    store = backend.open()
+    store.start_call(CallInfo("t", "twilio", 10.0, "ngram", call_sid="CA" + "1" * 32))
+    store.start_call(CallInfo("w", "webrtc", 20.0, "ngram"))
+    store.end_call("t", 15.0)  # the end keeps what the start recorded
+    store.flush()
+    assert {c["call_id"]: c["call_sid"] for c in store.calls()} == {"t": "CA" + "1" * 32,
+                                                                    "w": None}
+    assert store.call("t")["call"]["call_sid"] == "CA" + "1" * 32
+    store.close()
+
+
+# The store as schema version 1 made it: calls without call_sid.
+SCHEMA_V1 = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE calls (call_id TEXT PRIMARY KEY, kind TEXT NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL, ended_at DOUBLE PRECISION, method TEXT,
+    config_hash TEXT, pair_card_hash TEXT);
+CREATE TABLE turns (call_id TEXT NOT NULL, turn INTEGER NOT NULL,
+    started_at DOUBLE PRECISION NOT NULL, method TEXT, interrupted INTEGER NOT NULL,
+    record TEXT NOT NULL, PRIMARY KEY (call_id, turn));
+CREATE INDEX turns_started ON turns (started_at);
+CREATE INDEX calls_started ON calls (started_at);
+INSERT INTO meta VALUES ('schema_version', '1');
+INSERT INTO calls VALUES ('old', 'twilio', 10.0, 12.0, 'ngram', 'cfg', 'card');
+"""
+
+
+def test_a_store_of_schema_version_1_is_migrated_keeping_its_calls(backend):
+    backend.run(SCHEMA_V1)
+    store = backend.open()
+    store.start_call(CallInfo("new", "twilio", 20.0, "ngram", call_sid="CAnew"))
+    store.write(make_turn("old", 1, 11.0))
+    assert store.flush()
+    assert store.write_errors == 0, store.last_error
+    calls = {c["call_id"]: c for c in store.calls()}
+    assert (calls["old"]["call_sid"], calls["old"]["config_hash"], calls["old"]["turns"]) == (
+        None, "cfg", 1)
+    assert calls["new"]["call_sid"] == "CAnew"
+    store.close()
+    backend.set_schema_version(SCHEMA_VERSION)  # what the migration wrote: opens as it is
+    backend.open().close()
+
+
+def test_stores_opened_at_once_on_a_version_1_store_all_open(backend):
+    """The first migrates; the others wait for it, then find the schema current (two adding
+    the column would fail the second)."""
+    backend.run(SCHEMA_V1)
+    at_once = threading.Barrier(6)
+    opened, failed = [], []
+
+    def open_one(n: int) -> None:
+        at_once.wait()
+        try:
+            opened.append(backend.open())
+        except Exception as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=open_one, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for store in opened:
+        store.close()
+    assert not failed and len(opened) == 6
 
 
 def test_the_server_keeps_only_its_recent_calls_in_memory():

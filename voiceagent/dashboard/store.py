@@ -18,6 +18,9 @@ backoff, counted (`on_error`) and shown by `health()` (`/healthz` says "degraded
 stays bounded meanwhile. A write that can never succeed (a malformed entry) is set aside in
 `<store>.rejected.jsonl`, counted, and the writer goes on. Turns and calls older than
 `retention_days` are deleted hourly.
+
+A store of an older schema version is migrated (`MIGRATIONS`) by the first newer process that
+opens it, one process at a time; one of a newer version than this code reads is refused.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ from voiceagent.pipeline.turn_record import TurnRecord
 if TYPE_CHECKING:
     from voiceagent.config import Config
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # One text for both backends: DOUBLE PRECISION is PostgreSQL's 8-byte float (its REAL has 4
-# bytes) and SQLite's REAL.
+# bytes) and SQLite's REAL. A new column goes last, where a migration's ADD COLUMN puts it.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS calls (
@@ -54,7 +57,8 @@ CREATE TABLE IF NOT EXISTS calls (
     ended_at DOUBLE PRECISION,
     method TEXT,                     -- speculation method: off | ngram | draft
     config_hash TEXT,
-    pair_card_hash TEXT
+    pair_card_hash TEXT,
+    call_sid TEXT                    -- Twilio's CallSid of a phone call (schema version 2)
 );
 CREATE TABLE IF NOT EXISTS turns (
     call_id TEXT NOT NULL,
@@ -68,6 +72,11 @@ CREATE TABLE IF NOT EXISTS turns (
 CREATE INDEX IF NOT EXISTS turns_started ON turns (started_at);
 CREATE INDEX IF NOT EXISTS calls_started ON calls (started_at);
 """
+# What brings a store of version v up to v + 1, by v: run once, by the first process of a newer
+# voiceagent that opens it.
+MIGRATIONS = {
+    1: ("ALTER TABLE calls ADD COLUMN call_sid TEXT",),
+}
 TRANSCRIPT_FIELDS = ("user_text", "bot_text", "llm_text")
 RETENTION_EVERY_S = 3600.0
 MAX_BACKOFF_S = 5.0
@@ -95,6 +104,7 @@ class CallInfo:
     config_hash: str | None = None
     pair_card_hash: str | None = None
     ended_at: float | None = None
+    call_sid: str | None = None  # Twilio's CallSid, for a phone call
 
 
 class TurnStore(Protocol):
@@ -193,23 +203,45 @@ class SQLTurnStore(ABC):
     def _execute(self, db, sql: str, params: tuple = ()) -> Any:
         """Run `sql`, written with `?` parameters; the cursor."""
 
+    @abstractmethod
+    def _lock_schema(self, db) -> None:
+        """Keep other processes from migrating the schema until this transaction ends."""
+
     # Opening.
 
     def _open_schema(self) -> None:
         try:
             with self._session() as db, self._transaction(db):
                 self._create_schema(db)
-                row = self._execute(
-                    db, "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-                if row is None:
+                version = self._schema_version(db)
+                if version is None:
                     self._execute(db, "INSERT INTO meta VALUES ('schema_version', ?) "
                                   "ON CONFLICT DO NOTHING", (str(SCHEMA_VERSION),))
-                elif int(row[0]) != SCHEMA_VERSION:
-                    raise StoreError(f"turn store {self.where} has schema version {row[0]}, "
+                elif version < SCHEMA_VERSION:
+                    self._lock_schema(db)
+                    self._migrate(db, self._schema_version(db))  # another may have meanwhile
+                elif version > SCHEMA_VERSION:
+                    raise StoreError(f"turn store {self.where} has schema version {version}, "
                                      f"this voiceagent reads version {SCHEMA_VERSION}")
         except self.errors as exc:
             raise StoreError(f"cannot open the turn store {self.where}: {self._explain(exc)}") \
                 from None
+
+    def _schema_version(self, db) -> int | None:
+        row = self._execute(db, "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        return None if row is None else int(row[0])
+
+    def _migrate(self, db, version: int) -> None:
+        """Bring a store of an older schema version up to this one, in the opening transaction."""
+        if version == SCHEMA_VERSION:
+            return
+        for step in range(version, SCHEMA_VERSION):
+            for sql in MIGRATIONS[step]:
+                self._execute(db, sql)
+        self._execute(db, "UPDATE meta SET value = ? WHERE key = 'schema_version'",
+                      (str(SCHEMA_VERSION),))
+        logger.info(f"turn store {self.where}: schema version {version} brought up to "
+                    f"{SCHEMA_VERSION}")
 
     def _explain(self, exc: Exception) -> str:
         """The error's text on one line, fit for a log and /healthz."""
@@ -385,12 +417,15 @@ class SQLTurnStore(ABC):
         info = CallInfo(**info)
         self._execute(
             db,
-            """INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (call_id) DO UPDATE
+            """INSERT INTO calls (call_id, kind, started_at, ended_at, method, config_hash,
+                                  pair_card_hash, call_sid)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (call_id) DO UPDATE
                SET kind = excluded.kind, started_at = excluded.started_at,
                    ended_at = excluded.ended_at, method = excluded.method,
-                   config_hash = excluded.config_hash, pair_card_hash = excluded.pair_card_hash""",
+                   config_hash = excluded.config_hash, pair_card_hash = excluded.pair_card_hash,
+                   call_sid = excluded.call_sid""",
             (info.call_id, info.kind, info.started_at, info.ended_at, info.method,
-             info.config_hash, info.pair_card_hash),
+             info.config_hash, info.pair_card_hash, info.call_sid),
         )
 
     def _write_end(self, db, payload: list) -> None:

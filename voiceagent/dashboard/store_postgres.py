@@ -3,11 +3,11 @@ machine or many, so that one dashboard shows every call.
 
 Each process keeps its journal on its own disk (`<runs_dir>/postgres.journal-<pid>`): a turn
 that PostgreSQL cannot take now (a restart, an outage) waits there and is committed when the
-server is back. Processes that start together create the schema one at a time (an advisory lock
-held by the creating transaction); one that finds the schema there runs no DDL, which would lock
-tables that other processes are writing to. A runs dir serves one store: a gone process's
-journal there is committed to the store of the next process that opens one. The password never
-reaches a message or a log: the URL is shown without it.
+server is back. Processes that start together create or migrate the schema one at a time (an
+advisory lock held by the opening transaction); one that finds the schema current runs no DDL,
+which would lock tables that other processes are writing to. A runs dir serves one store: a gone
+process's journal there is committed to the store of the next process that opens one. The
+password never reaches a message or a log: the URL is shown without it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import psycopg
 from voiceagent.dashboard.store import SCHEMA, SQLTurnStore
 from voiceagent.urls import redact
 
-SCHEMA_LOCK = 0x766F6963  # pg_advisory_xact_lock key of the schema's creation ("voic")
+# pg_advisory_xact_lock key of the schema's creation and migration ("voic")
+SCHEMA_LOCK = 0x766F6963
 CONNECT_TIMEOUT_S = 5  # an unreachable host is reported, not waited for
 # A host that stops answering mid-query fails the query (retried from the journal) instead of
 # holding the writer: unacknowledged data times out, and so does any one statement.
@@ -60,6 +61,9 @@ class PostgresTurnStore(SQLTurnStore):
         # writing to both tables, that deadlocks. A schema is created whole or not at all.
         if db.execute("SELECT to_regclass('meta') IS NULL").fetchone()[0]:
             db.execute(SCHEMA)
+
+    def _lock_schema(self, db: psycopg.Connection) -> None:
+        pass  # `_create_schema` took the schema lock, held until the opening transaction ends
 
     def _execute(self, db: psycopg.Connection, sql: str, params: tuple = ()) -> psycopg.Cursor:
         return db.execute(sql.replace("?", "%s"), params)

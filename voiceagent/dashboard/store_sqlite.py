@@ -37,5 +37,10 @@ class SQLiteTurnStore(SQLTurnStore):
     def _create_schema(self, db: sqlite3.Connection) -> None:
         db.executescript(SCHEMA)
 
+    def _lock_schema(self, db: sqlite3.Connection) -> None:
+        # The write lock, until the opening transaction commits: a second process opening an
+        # old store at once waits, then finds it migrated.
+        db.execute("BEGIN IMMEDIATE")
+
     def _execute(self, db: sqlite3.Connection, sql: str, params: tuple = ()) -> sqlite3.Cursor:
         return db.execute(sql, params)
