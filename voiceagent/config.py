@@ -8,6 +8,7 @@ valid choices.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import importlib.resources
 import os
@@ -219,34 +220,99 @@ def env_overrides(environ=os.environ) -> list[tuple[str, str]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (the CPU default when None), then the environment's settings
-    (`env_overrides`), then `key=value` overrides (`--set`), and validate."""
+    """Read a YAML config (the CPU default when None) and the files it `extends`, then the
+    environment's settings (`env_overrides`), then `key=value` overrides (`--set`), and validate.
+    An error names where the bad key came from: the file, the variable or the `--set` flag."""
     path = config_path(path)
-    try:
-        data = yaml.load(path.read_text(), Loader=YamlLoader) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    origins: dict[tuple[str, ...], str] = {}  # key path -> where it was set
+    data = _read_config_file(path, origins, ())
     for name, item in env_overrides():
-        try:
-            apply_override(data, item)
-        except ConfigError as exc:
-            raise ConfigError(f"environment variable {name}: {exc}") from None
+        _override(data, item, f"environment variable {name}", origins)
     for item in overrides or []:
-        apply_override(data, item)
+        _override(data, item, f"--set {item}", origins)
     server = data.setdefault("server", {}) or {}
     # Secrets from the environment, so they never go on a command line.
     for key, env in (("token", "VOICEAGENT_TOKEN"), ("twilio_auth_token", "TWILIO_AUTH_TOKEN")):
         if server.get(key) is None and os.environ.get(env):
             server[key] = os.environ[env]
+            origins["server", key] = f"environment variable {env}"
     data["server"] = server
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, source=str(path))) from None
+        raise ConfigError(_describe(exc, data, origins)) from None
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.name for p in CONFIGS_DIR.glob("*.yaml"))
+
+
+def _read_config_file(path: Path, origins: dict, chain: tuple[Path, ...]) -> dict:
+    """One file's mapping, deep-merged over the file it `extends` (which it overrides)."""
+    if path.resolve() in chain:
+        loop = " -> ".join(str(p) for p in (*chain, path.resolve()))
+        raise ConfigError(f"config file {path} extends itself: {loop}")
+    try:
+        data = yaml.load(path.read_text(), Loader=YamlLoader) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path} (shipped configs, usable by name: "
+                          f"{', '.join(shipped_configs())}, in {CONFIGS_DIR})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    base_name = data.pop("extends", None)
+    base: dict = {}
+    if base_name is not None:
+        if not isinstance(base_name, str):
+            raise ConfigError(f"config file {path}: extends takes one file name, e.g. "
+                              f"extends: default.yaml (got {base_name!r})")
+        base = _read_config_file(_extended_path(base_name, path), origins,
+                                 (*chain, path.resolve()))
+    for key in _leaf_paths(data):
+        origins.pop(key, None)  # re-inserted: the later a source, the later in the dict
+        origins[key] = f"config file {path}"
+    return _merge(base, data)
+
+
+def _extended_path(name: str, child: Path) -> Path:
+    """The file `extends: name` means: beside the file that says it, else a shipped config."""
+    beside = child.parent / name
+    if beside.is_file():
+        return beside
+    shipped = config_path(name)
+    if shipped.is_file():
+        return shipped
+    raise ConfigError(f"config file {child}: extends '{name}', which is neither beside it nor a "
+                      f"shipped config ({', '.join(shipped_configs())})")
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """`top` over `base`: sections merge key by key; a value (lists too) replaces the base's."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _leaf_paths(data: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths = []
+    for key, value in data.items():
+        here = (*prefix, str(key))
+        paths += _leaf_paths(value, here) if isinstance(value, dict) and value else [here]
+    return paths
+
+
+def _override(data: dict, item: str, source: str, origins: dict) -> None:
+    try:
+        parts = apply_override(data, item)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    origins.pop(tuple(parts), None)
+    origins[tuple(parts)] = source
 
 
 def config_path(path: str | Path | None) -> Path:
@@ -275,8 +341,9 @@ YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
-def apply_override(data: dict, item: str) -> None:
-    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, bools, lists)."""
+def apply_override(data: dict, item: str) -> list[str]:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, bools, lists).
+    Returns the key's parts."""
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{item}' must look like key=value, e.g. engine.device=cpu")
@@ -293,6 +360,7 @@ def apply_override(data: dict, item: str) -> None:
             child = node[part] = {}
         node = child
     node[parts[-1]] = value
+    return parts
 
 
 def _fields(tp: Any) -> dict[str, Any] | None:
@@ -305,6 +373,20 @@ def _fields(tp: Any) -> dict[str, Any] | None:
     return None
 
 
+def _did_you_mean(value: Any, choices: list[str]) -> str:
+    """"did you mean 'x'?" for the nearest choice to a mistyped string, else ""."""
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else ""
+
+
+def _unknown_key(parts: list[str] | tuple[str, ...], fields: list[str]) -> str:
+    guess = _did_you_mean(parts[-1], fields)
+    return (f"unknown config key '{'.'.join(parts)}'{f' ({guess})' if guess else ''}; "
+            f"valid keys: {', '.join(fields)}")
+
+
 def _check_key_path(parts: list[str]) -> None:
     tp: Any = Config
     for depth, part in enumerate(parts):
@@ -313,10 +395,7 @@ def _check_key_path(parts: list[str]) -> None:
         if fields is None:
             raise ConfigError(f"'{where}' is a value, it has no key '{part}'")
         if part not in fields:
-            raise ConfigError(
-                f"unknown config key '{'.'.join(parts)}': '{part}' is not in {where}; "
-                f"valid keys: {', '.join(fields)}"
-            )
+            raise ConfigError(_unknown_key(parts[:depth + 1], list(fields)))
         tp = fields[part]
     if _fields(tp) is not None:
         raise ConfigError(
@@ -324,21 +403,86 @@ def _check_key_path(parts: list[str]) -> None:
         )
 
 
-def _describe(exc: ValidationError, source: str) -> str:
+def _describe(exc: ValidationError, data: dict, origins: dict[tuple[str, ...], str]) -> str:
+    """One line per bad key: where it was set, the key, what is wrong, the nearest valid value."""
     lines = []
     for err in exc.errors():
-        loc = [str(p) for p in err["loc"]]
-        key = ".".join(loc)
+        loc = tuple(str(p) for p in err["loc"])
         if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-            section = _section_type(loc[:-1])
-            valid = ", ".join(_fields(section) or {}) if section is not None else "?"
-            lines.append(f"unknown config key '{key}'; valid keys here: {valid}")
+            problem = _unknown_key(loc, list(_fields(_type_at(loc[:-1])) or {}))
         else:
-            lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
-    return f"invalid config ({source}): " + "; ".join(lines)
+            loc = _bad_key(loc, err, data)
+            value = _value_at(data, loc)
+            msg = err["msg"].removeprefix("Value error, ")
+            if not isinstance(value, dict) and repr(value) not in msg:
+                msg += f" (got {value!r})"
+            guess = _did_you_mean(value, _choices(loc))
+            problem = f"{msg}; {guess}" if guess else msg
+            if not origins.get(loc, "").startswith("--set "):  # that flag names the key
+                problem = f"{'.'.join(loc)}: {problem}"
+        lines.append(f"{_origin(loc, origins)}: {problem}")
+    return "; ".join(lines)
 
 
-def _section_type(loc: list[str]) -> Any:
+_MISSING = object()
+
+
+def _value_at(data: dict, loc: tuple[str, ...]) -> Any:
+    node: Any = data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _bad_key(loc: tuple[str, ...], err: dict, data: dict) -> tuple[str, ...]:
+    """A section's own check (a dataclass's __post_init__) fails the whole section: the bad key
+    is the one whose value the message quotes, e.g. 'eagel' in "unknown speculation method
+    'eagel'"."""
+    section = _value_at(data, loc)
+    if _fields(_type_at(loc)) is None or not isinstance(section, dict):
+        return loc
+    quoted = re.findall(r"'([^']+)'", err["msg"])
+    keys = [key for key, value in section.items()
+            if isinstance(value, str) and any(q in value for q in quoted)]
+    return (*loc, keys[0]) if len(keys) == 1 else loc
+
+
+def _choices(loc: tuple[str, ...]) -> list[str]:
+    """The valid values of a key that takes one of a set of names."""
+    if loc == ("engine", "speculation", "method"):
+        from llm_engine.proposers import check_method, proposer_names
+
+        names = proposer_names()
+        combined = []
+        for outer in names:
+            for inner in names:
+                try:
+                    check_method(f"{outer}+{inner}")
+                except ValueError:
+                    continue
+                combined.append(f"{outer}+{inner}")
+        return names + combined
+    tp = _type_at(loc)
+    options = typing.get_args(tp) if typing.get_origin(tp) is not Literal else (tp,)
+    return [str(value) for option in options if typing.get_origin(option) is Literal
+            for value in typing.get_args(option)]
+
+
+def _origin(loc: tuple[str, ...], origins: dict[tuple[str, ...], str]) -> str:
+    """Where the key at `loc` (or the nearest section above it) was set."""
+    for depth in range(len(loc), 0, -1):
+        if loc[:depth] in origins:
+            return origins[loc[:depth]]
+    below = [source for key, source in origins.items() if key[:len(loc)] == loc]
+    return below[-1] if below else "config"
+
+
+def _type_at(loc: tuple[str, ...] | list[str]) -> Any:
     tp: Any = Config
     for part in loc:
         fields = _fields(tp)

@@ -6,7 +6,8 @@ from voiceagent.cli import main
 def test_unknown_set_key_exits_2_with_one_line(capsys):
     assert main(["doctor", "--set", "engine.nope=1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: unknown config key 'engine.nope'") and "\n" not in err
+    assert err.startswith("error: --set engine.nope=1: unknown config key 'engine.nope'")
+    assert "\n" not in err
 
 
 def test_serve_with_a_missing_model_fails_before_binding_a_port(capsys):
