@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sqlite3
 
 import httpx
@@ -191,15 +192,38 @@ async def test_live_event_streams_are_capped_and_a_client_gone_leaves_no_subscri
         for _ in range(5):  # clients that go away at once, before reading anything
             async with http.stream("GET", "/api/events"):
                 pass
-        await asyncio.sleep(1.0)  # their generators may start after the client left
         assert await until(lambda: hub.subscribers == 0, 5)  # none of them left behind
         async with http.stream("GET", "/api/events") as one, \
                 http.stream("GET", "/api/events") as two:
-            firsts = [await anext(one.aiter_text()), await anext(two.aiter_text())]
+            # The readers are kept: one dropped is finalised, and closes its stream, at once.
+            readers = [one.aiter_text(), two.aiter_text()]
+            firsts = [await anext(r) for r in readers]
             refused = await http.get("/api/events")
             assert hub.subscribers == 2 and all(f.startswith(": live") for f in firsts)
     assert refused.status_code == 503 and "at most 2" in refused.json()["detail"]
     assert await until(lambda: hub.subscribers == 0, 5)
+
+
+async def test_live_event_streams_opened_together_beyond_the_cap_are_refused_with_503(tiny_server):
+    app, base = await tiny_server("server.max_event_subscribers=2")
+    host, port = base.removeprefix("http://").split(":")
+    request = f"GET /api/events HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    # Three requests written before the server's loop runs again: it reads all three in one go,
+    # so no stream of theirs has started when the third is accepted.
+    socks = [socket.create_connection((host, int(port))) for _ in range(3)]
+    for s in socks:
+        s.sendall(request)
+    loop = asyncio.get_running_loop()
+    try:
+        for s in socks:
+            s.setblocking(False)
+        heads = [await asyncio.wait_for(loop.sock_recv(s, 4096), 10) for s in socks]
+        statuses = sorted(int(h.split()[1]) for h in heads)
+        subscribed = app.state.server.events.subscribers
+    finally:
+        for s in socks:
+            s.close()
+    assert statuses == [200, 200, 503] and subscribed == 2
 
 
 async def test_healthz_says_degraded_while_the_store_cannot_write(tiny_server):

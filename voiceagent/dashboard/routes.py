@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
-from fastapi.responses import FileResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from voiceagent.dashboard.events import EventStream
 from voiceagent.dashboard.stats import facets, matching, overview, speculation
 from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.urls import redact
@@ -238,30 +239,11 @@ async def api_backend(request: Request):
 @router.get("/api/events")
 async def api_events(request: Request):
     hub = _server(request).events
-    if hub.full:
+    queue = hub.subscribe()  # the slot is taken now, as the request is accepted
+    if queue is None:
         raise HTTPException(503, "too many live-event streams open "
                             f"(at most {hub.max_subscribers})", headers={"Retry-After": "30"})
-
-    async def stream():
-        # Subscribed here, inside the generator, so a client gone before the stream starts
-        # leaves no subscriber behind; streams that passed the check above together may find
-        # the hub full by now: they end at once, and EventSource retries.
-        queue = hub.subscribe()
-        if queue is None:
-            yield "retry: 30000\n: too many live-event streams open\n\n"
-            return
-        try:
-            yield ": live\n\n"
-            while not await request.is_disconnected():
-                try:
-                    yield await asyncio.wait_for(queue.get(), KEEPALIVE_S)
-                except TimeoutError:
-                    yield ": keepalive\n\n"
-        finally:
-            hub.unsubscribe(queue)
-
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+    return EventStream(hub, queue, request, KEEPALIVE_S)
 
 
 @router.get("/metrics")
