@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.audio.speech import speech
-from tests.voiceagent.serving import server_config, serving, twilio_url
+from tests.voiceagent.serving import server_config, serving, twilio_url, until
 from tests.voiceagent.turns import make_turn
 from voiceagent.dashboard.stats import overview, speculation
 from voiceagent.dashboard.store import CallInfo
@@ -349,3 +349,52 @@ async def test_a_call_is_listed_under_its_turns_methods_too(tmp_path):
         assert await listed(method="grammar+ngram", config_hash="bbb") == []
         turns = (await http.get("/api/turns", params={"method": "grammar+ngram"})).json()
     assert [(t["call_id"], t["turn"]) for t in turns["turns"]] == [("tools", 1)]
+
+
+def _step(k: int, drafted: int, accepted: int) -> dict:
+    return {"k": k, "drafted": drafted, "accepted": accepted,
+            "rejection_pos": None if accepted == drafted else accepted, "committed": accepted + 1,
+            "draft_ms": 0.5, "verify_ms": 60.0}
+
+
+async def test_a_call_has_each_turns_speculation_figures(tmp_path):
+    """Per turn: speculative steps of all steps, accepted tokens per speculative step, acceptance
+    and the K asked for. A plain step (K 0, the gate closed) and an n-gram miss (K 3, nothing
+    drafted) are steps, not speculative ones."""
+    app = _app(tmp_path)
+    server = app.state.server
+    server.store.start_call(CallInfo("c1", "twilio", 1000.0, "ngram"))
+    spec, off = make_turn("c1", 1, 1001.0), make_turn("c1", 2, 1002.0, method="off")
+    steps = [_step(4, 4, 2), _step(0, 0, 0), _step(3, 0, 0), _step(3, 3, 3)]
+    spec.engine.update(steps=steps, k_history=[s["k"] for s in steps])
+    off.engine.update(steps=[_step(0, 0, 0)] * 5, k_history=[0] * 5)
+    for record in (spec, off):
+        server.records.add(record)
+    server.store.flush()
+    async with _client(app) as http:
+        found = (await http.get("/api/calls/c1")).json()
+    assert found["speculation"] == [
+        {"turn": 1, "method": "ngram", "steps": 4, "speculative_steps": 2, "drafted": 7,
+         "accepted": 5, "accepted_per_step": 2.5, "acceptance_rate": 5 / 7, "k_min": 3,
+         "k_max": 4, "k_mean": 10 / 3},
+        {"turn": 2, "method": "off", "steps": 5, "speculative_steps": 0, "drafted": 0,
+         "accepted": 0, "accepted_per_step": None, "acceptance_rate": None, "k_min": None,
+         "k_max": None, "k_mean": None},
+    ]
+
+
+@pytest.mark.slow
+async def test_a_twilio_call_is_listed_and_shown_with_its_call_sid(tmp_path, models):
+    async with serving(server_config(tmp_path), models) as (app, base):
+        async with TwilioCaller(twilio_url(base)) as caller:
+            await caller.start()  # silence only: the call starts and is stored
+            await asyncio.sleep(0.5)
+            await caller.hang_up()
+        assert await until(lambda: not app.state.server.calls.active, 15)
+        app.state.server.store.flush()
+        async with httpx.AsyncClient(base_url=base) as http:
+            [listed] = (await http.get("/api/calls")).json()["calls"]
+            found = (await http.get(f"/api/calls/{listed['call_id']}")).json()
+    assert caller.call_sid.startswith("CA")
+    assert (listed["kind"], listed["call_sid"]) == ("twilio", caller.call_sid)
+    assert found["call"]["call_sid"] == caller.call_sid

@@ -14,7 +14,8 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | `GET /api/speculation?since=` | `stats.speculation` of those turns |
 | `GET /api/filters?since=` | `stats.facets`: the methods and config hashes there are to filter by |
 | `GET /api/calls?since=&before=&limit=` | `{"calls": [...], "next_before": t}`, newest first (1) |
-| `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...]}`; 404 for an unknown id |
+| `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...], "speculation": [...]}`: each turn's
+  `stats.turn_speculation`, with its `turn`; 404 for an unknown id |
 | `GET /api/pair-card` | the running pair's card (seed 001); 503 while models load (2) |
 | `GET /api/backend` | the pipeline's LLM: `backend`, `model`, `name`; for a remote server also its
   `base_url` and its server-wide `speculation` counters (vLLM's Prometheus), or null |
@@ -45,7 +46,7 @@ from fastapi.responses import FileResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voiceagent.dashboard.events import EventStream
-from voiceagent.dashboard.stats import facets, matching, overview, speculation
+from voiceagent.dashboard.stats import facets, matching, overview, speculation, turn_speculation
 from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.urls import redact
 
@@ -206,7 +207,16 @@ async def api_calls(request: Request, since: float | None = Since,
 
 @router.get("/api/calls/{call_id}")
 async def api_call(request: Request, call_id: str):
-    found = await asyncio.to_thread(_server(request).store.call, call_id)
+    store = _server(request).store
+
+    def read() -> dict | None:
+        found = store.call(call_id)
+        if found is not None:
+            found["speculation"] = [{"turn": t["turn"], **turn_speculation(t.get("engine") or {})}
+                                    for t in found["turns"]]
+        return found
+
+    found = await asyncio.to_thread(read)
     if found is None:
         raise HTTPException(404, f"no call {call_id!r}")
     return found

@@ -169,6 +169,31 @@ def speculation(turns: list[dict]) -> dict:
         "accepted_per_step_hist": accept_hist,
         "rejection_position_hist": rejection_hist,
         "steps": steps,
-        "k_history": [{"call_id": t["call_id"], "turn": t["turn"],
+        "k_history": [{"call_id": t["call_id"], "turn": t["turn"], "method": method_of(t),
                        "k": (t.get("engine") or {}).get("k_history") or []} for t in turns],
+    }
+
+
+def turn_speculation(engine: dict) -> dict:
+    """One turn's speculation, from its engine stats (`RequestStats.to_dict()`): the method; its
+    decode steps and, of those, the speculative ones (that drafted); tokens drafted and accepted;
+    accepted tokens per speculative step (accepted / speculative steps); the acceptance rate
+    (accepted / drafted); and the K asked for over the steps that asked for a draft (K 0 is a
+    plain step: the gate was closed, or speculation off)."""
+    steps = engine.get("steps") or []
+    speculative = [s for s in steps if s.get("drafted")]
+    drafted = sum(s["drafted"] for s in speculative)
+    accepted = sum(s["accepted"] for s in speculative)
+    asked = [k for k in engine.get("k_history") or [s["k"] for s in steps] if k > 0]
+    return {
+        "method": engine.get("method") or "unknown",
+        "steps": len(steps),
+        "speculative_steps": len(speculative),
+        "drafted": drafted,
+        "accepted": accepted,
+        "accepted_per_step": accepted / len(speculative) if speculative else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "k_min": min(asked, default=None),
+        "k_max": max(asked, default=None),
+        "k_mean": sum(asked) / len(asked) if asked else None,
     }

@@ -26,6 +26,7 @@ class ServerBusy(Exception):
 class ActiveCall:
     call_id: str
     kind: str  # "webrtc" | "twilio"
+    call_sid: str | None = None  # Twilio's CallSid: what the operator finds the call by there
     started: float = field(default_factory=time.time)
     task: PipelineWorker | None = None
     runner: asyncio.Task | None = None
@@ -46,13 +47,13 @@ class CallRegistry:
             except Exception:
                 logger.exception(f"call {call.call_id}: a '{event}' listener failed")
 
-    def reserve(self, kind: str) -> ActiveCall:
+    def reserve(self, kind: str, call_sid: str | None = None) -> ActiveCall:
         if len(self.active) >= self.max_calls:
             raise ServerBusy(
                 f"server busy: {len(self.active)} of {self.max_calls} calls in progress, "
                 "try again later"
             )
-        call = ActiveCall(uuid.uuid4().hex[:12], kind)
+        call = ActiveCall(uuid.uuid4().hex[:12], kind, call_sid)
         self.active[call.call_id] = call
         return call
 

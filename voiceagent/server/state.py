@@ -57,14 +57,14 @@ class ServerState:
         llm = self.shared.llm if self.shared else None
         method = self.shared.chat.name if self.shared else self.cfg.engine.speculation.method
         info = CallInfo(call.call_id, call.kind, call.started, method, config_hash(self.cfg),
-                        llm.card.card_hash if llm else None, ended_at)
+                        llm.card.card_hash if llm else None, ended_at, call.call_sid)
         if event == "started":
             self.store.start_call(info)
         else:
             self.store.end_call(call.call_id, ended_at)
         self.events.publish("call", {"call_id": info.call_id, "kind": info.kind,
                                      "started_at": info.started_at, "ended_at": ended_at,
-                                     "method": info.method})
+                                     "method": info.method, "call_sid": info.call_sid})
 
 
 def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:

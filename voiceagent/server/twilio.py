@@ -102,7 +102,7 @@ async def twilio_stream(ws: WebSocket) -> None:
         await sock.close(1013, "models still loading, try again shortly")
         return
     try:
-        call = server.calls.reserve("twilio")
+        call = server.calls.reserve("twilio", start.call_sid)
     except ServerBusy as exc:
         await sock.close(1013, str(exc))
         return
