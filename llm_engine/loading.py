@@ -1,4 +1,5 @@
-"""Load a causal LM and its tokenizer from a local HF folder, a GGUF file, or a hub id.
+"""Load a causal LM and its tokenizer from a local HF folder, a GGUF file, or a hub id (its
+cached snapshot when the hub cannot be reached: `llm_engine.hub`).
 
 Device and dtype are automatic (CUDA+bf16, MPS+fp16, else CPU+fp32) unless configured.
 GGUF files are de-quantised by transformers' GGUF loader, which is slow (about 30 s for a
@@ -22,6 +23,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils.logging import tqdm as hf_tqdm
 
 from llm_engine.errors import ModelLoadError
+from llm_engine.hub import HubUnavailable, hub_location
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,13 @@ def load_causal_lm(
     folder, gguf = _locate(source)
     cache = Path(cache_dir).expanduser() if cache_dir else None
     sha, from_cache, revision = None, False, None
+    if folder is None:  # a hub id: without a network, its cached snapshot or an error at once
+        try:
+            located = hub_location(source)
+        except HubUnavailable as exc:
+            raise ModelLoadError(str(exc)) from None
+        if located != source:
+            folder, revision = Path(located), Path(located).name  # snapshots/<commit>
     # Straight onto the GPU: an 8B model never passes through host memory as a whole.
     placement = {"device_map": str(dev)} if dev.type == "cuda" else {}
     try:
@@ -153,7 +162,8 @@ def load_causal_lm(
             progress(f"loading {where} ({torch_dtype}, {dev})")
             tokenizer = AutoTokenizer.from_pretrained(where)
             model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **placement)
-            revision = getattr(model.config, "_commit_hash", None) if folder is None else None
+            if folder is None:
+                revision = getattr(model.config, "_commit_hash", None)
     except ModelLoadError:
         raise
     except (OSError, ValueError, ImportError) as exc:
@@ -223,6 +233,4 @@ def _gguf_bar_obeys_transformers() -> None:
 
 def _short_reason(source: str, exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if os.environ.get("HF_HUB_OFFLINE") == "1" and not _is_pathlike(source):
-        return f"cannot load '{source}': offline (HF_HUB_OFFLINE=1) and not a local path ({text})"
     return f"cannot load '{source}': {text}"

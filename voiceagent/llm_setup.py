@@ -29,9 +29,10 @@ from voiceagent.models import resolve
 
 
 def load_llm(
-    name: str, engine: EngineConfig, cache_dir: str, progress: Callable[[str], None] = print
+    name: str, engine: EngineConfig, cache_dir: str, progress: Callable[[str], None] = print,
+    setting: str = "engine.target",
 ) -> LoadedModel:
-    resolved = resolve(name, "llm")
+    resolved = resolve(name, "llm", setting=setting)
     return load_causal_lm(
         resolved.location,
         name=name,
@@ -49,7 +50,7 @@ def load_draft(engine: EngineConfig, target: LoadedModel, cache_dir: str,
         raise ValueError("engine.speculation.method=draft needs engine.draft (a name or a path)")
     if engine.draft == engine.target:
         return target  # target as its own draft (the sanity check): one copy
-    location = resolve(engine.draft, "llm").location
+    location = resolve(engine.draft, "llm", setting="engine.draft").location
     if compact_draft.is_compact_draft(location):
         meta = compact_draft.read_meta(location)
         _check_trained_for(target, engine.draft, meta)
@@ -58,7 +59,7 @@ def load_draft(engine: EngineConfig, target: LoadedModel, cache_dir: str,
         return _own_weights(engine.draft, location, target,
                             lambda: compact_draft.load(location, target.model),
                             compact_draft.own_parameters)
-    return load_llm(engine.draft, engine, cache_dir, progress)
+    return load_llm(engine.draft, engine, cache_dir, progress, setting="engine.draft")
 
 
 def load_eagle(engine: EngineConfig, target: LoadedModel,
@@ -66,7 +67,7 @@ def load_eagle(engine: EngineConfig, target: LoadedModel,
     """The EAGLE head of the `eagle` proposer, trained for this very target."""
     if not engine.eagle:
         raise ValueError("engine.speculation.method=eagle needs engine.eagle (a name or a path)")
-    location = resolve(engine.eagle, "llm").location
+    location = resolve(engine.eagle, "llm", setting="engine.eagle").location
     if not eagle_head.is_eagle_head(location):
         raise ValueError(f"engine.eagle={engine.eagle!r}: {location} holds no EAGLE head "
                          f"({eagle_head.META} and {eagle_head.WEIGHTS})")

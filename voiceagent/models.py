@@ -13,6 +13,7 @@ llm_engine.loading keeps for GGUF files), so only a new or changed file is read 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -22,6 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from llm_engine.hub import HubUnavailable, hub_location
 
 Kind = Literal["llm", "asr", "tts", "vad"]
 
@@ -113,11 +116,13 @@ def _module_dir(module: str) -> Path | None:
     return Path(spec.origin).parent
 
 
-def resolve(name: str, kind: Kind, cache_dir: str | Path | None = DEFAULT_CACHE_DIR
-            ) -> ResolvedModel:
+def resolve(name: str, kind: Kind, cache_dir: str | Path | None = DEFAULT_CACHE_DIR, *,
+            setting: str | None = None) -> ResolvedModel:
     """Resolve a registered name, a local path, or (LLM/ASR only) a hub id. An embedded
     model's files are checked against its pinned release's hashes (`cache_dir` remembers them;
-    None: hash every time)."""
+    None: hash every time). A hub id stays one when the hub answers; without a network it is
+    its cached snapshot folder, or a ModelNotFound naming the fix at once (`setting`: the
+    config field that names the model)."""
     entry = EMBEDDED.get(name)
     if entry is not None:
         if entry.kind != kind:
@@ -139,13 +144,18 @@ def resolve(name: str, kind: Kind, cache_dir: str | Path | None = DEFAULT_CACHE_
     path = Path(name).expanduser()
     if path.exists():
         return ResolvedModel(name, kind, str(path), embedded=False)
+    known = [n for n, e in EMBEDDED.items() if e.kind == kind]
     looks_like_path = name.startswith(("/", ".", "~")) or path.suffix in (".gguf", ".onnx")
     if looks_like_path or kind in ("tts", "vad"):
-        known = ", ".join(n for n, e in EMBEDDED.items() if e.kind == kind)
-        raise ModelNotFound(
-            f"{kind} model '{name}' not found: no such file or folder (registered: {known})"
-        )
-    return ResolvedModel(name, kind, name, embedded=False)  # a hub id, loaded when online
+        raise ModelNotFound(f"{kind} model '{name}' not found: no such file or folder "
+                            f"(registered: {', '.join(known)})")
+    try:
+        location = hub_location(name, setting)
+    except HubUnavailable as exc:
+        close = difflib.get_close_matches(name, known, n=1)
+        guess = f" (did you mean the registered '{close[0]}'?)" if close else ""
+        raise ModelNotFound(f"{kind} model {exc}{guess}") from None
+    return ResolvedModel(name, kind, location, embedded=False)
 
 
 def verify(name: str, entry: Embedded, folder: Path, cache_dir: str | Path | None) -> None:

@@ -1,4 +1,5 @@
 import json
+import socket
 
 from voiceagent.cli import main
 
@@ -15,6 +16,18 @@ def test_serve_with_a_missing_model_fails_before_binding_a_port(capsys):
     err = capsys.readouterr().err  # pipecat's import banner may come first
     assert err.strip().splitlines()[-1].startswith("error: tts model '/nowhere/voice.onnx'")
     assert "Traceback" not in err
+
+
+def test_serve_on_a_busy_port_exits_3_before_loading_models_and_names_a_free_port(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 3
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    prefix = f"error: cannot listen on 127.0.0.1:{port}: port {port} is in use; try --port "
+    assert last.startswith(prefix)
+    socket.create_server(("127.0.0.1", int(last.removeprefix(prefix)))).close()  # it is free
+    assert "loading models" not in err
 
 
 def test_doctor_reports_a_missing_model_in_one_line_and_fails(capsys, tmp_path):

@@ -57,6 +57,46 @@ def environment_lines() -> list[str]:
     return lines
 
 
+def cuda_settings(cfg: Config) -> dict[str, str | None]:
+    """Each setting that asks for CUDA -> why this machine cannot give it (None: it can), as
+    the library that would run on it sees it."""
+    asked: dict[str, str | None] = {}
+    if cfg.llm.backend == "engine" and cfg.engine.device == "cuda":
+        import torch
+
+        asked["engine.device: cuda"] = (None if torch.cuda.is_available()
+                                        else "torch sees no CUDA device")
+    if cfg.asr.device == "cuda":
+        import ctranslate2
+
+        asked["asr.device: cuda"] = (None if ctranslate2.get_cuda_device_count() > 0
+                                     else "CTranslate2 sees no CUDA device")
+    if cfg.tts.use_cuda:
+        import onnxruntime
+
+        asked["tts.use_cuda: true"] = (
+            None if "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+            else "onnxruntime has no CUDAExecutionProvider: that takes onnxruntime-gpu")
+    return asked
+
+
+def _cuda_check(report: Report, cfg: Config, say: Callable[[str], None]) -> None:
+    """One line when the config asks for CUDA: what it asks, and what this machine lacks."""
+    asked = cuda_settings(cfg)
+    if not asked:
+        return
+    lacking = {setting: why for setting, why in asked.items() if why}
+    if lacking:
+        detail = ("the config asks for CUDA this machine cannot give: "
+                  + "; ".join(f"{setting} ({why})" for setting, why in lacking.items())
+                  + "; run it on a GPU machine, or set those to auto/cpu/false "
+                  "(configs/default.yaml runs on a CPU)")
+    else:
+        detail = "available for " + ", ".join(asked)
+    report.checks.append(Check("cuda", not lacking, detail))
+    say(f"  {'FAIL' if lacking else 'ok  '} cuda: {detail}")
+
+
 def _timed(report: Report, name: str, load: Callable[[], str], say: Callable[[str], None]):
     t0 = time.perf_counter()
     try:
@@ -79,6 +119,7 @@ def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
     for line in environment_lines():
         say(line)
     report = Report()
+    _cuda_check(report, cfg, say)
     say("models:")
     quiet = lambda msg: say(f"       {msg}")  # noqa: E731 - progress lines under the model
     loaded = {}
@@ -104,17 +145,17 @@ def run_doctor(cfg: Config, say: Callable[[str], None] = print) -> Report:
         _timed(report, f"llm {method}", lambda: llm("draft", load), say)
 
     def asr() -> str:
-        r = resolve(cfg.asr.model, "asr", cfg.paths.cache_dir)
+        r = resolve(cfg.asr.model, "asr", cfg.paths.cache_dir, setting="asr.model")
         load_whisper(r.location, cfg.asr.device, cfg.asr.compute_type)
         return f"{r.name} -> {r.location}"
 
     def tts() -> str:
-        r = resolve(cfg.tts.voice, "tts", cfg.paths.cache_dir)
+        r = resolve(cfg.tts.voice, "tts", cfg.paths.cache_dir, setting="tts.voice")
         voice = load_piper(r.location, cfg.tts.use_cuda)
         return f"{r.name} -> {r.location} ({voice.config.sample_rate} Hz)"
 
     def vad() -> str:
-        r = resolve(cfg.vad.model, "vad", cfg.paths.cache_dir)
+        r = resolve(cfg.vad.model, "vad", cfg.paths.cache_dir, setting="vad.model")
         load_silero(r.location)
         return f"{r.name} -> {r.location}"
 

@@ -8,6 +8,8 @@ still running (browser calls) and stops the engine.
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 import sys
 from contextlib import asynccontextmanager
 
@@ -16,22 +18,58 @@ from loguru import logger
 
 from voiceagent.config import Config
 from voiceagent.models import resolve
-from voiceagent.server.app import create_app
 from voiceagent.server.auth import is_public
 from voiceagent.server.guard import redact_access_log
 
 GRACE_S = 5
+EXIT_CANNOT_LISTEN = 3  # uvicorn's own status for a server that could not start
+BACKLOG = 2048  # uvicorn's default
+
+
+class CannotListen(Exception):
+    """The address cannot be bound (port in use, not this machine's address, no permission)."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything loads: a busy port is one line at once, not
+    an error from uvicorn after the models have started loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=BACKLOG)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why = f"port {port} is in use; try --port {_free_port(host, port, family)}"
+        elif exc.errno == errno.EACCES:
+            why = f"no permission for port {port}; try --port {_free_port(host, port, family)}"
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            why = f"{host} is not an address of this machine; try --host 127.0.0.1"
+        else:
+            why = exc.strerror or str(exc)
+        raise CannotListen(f"cannot listen on {host}:{port}: {why}") from None
+
+
+def _free_port(host: str, port: int, family: int) -> int:
+    """The first port above `port` that binds now (1024 and up), else any free one."""
+    for candidate in range(max(port + 1, 1024), min(max(port + 1, 1024) + 100, 65536)):
+        try:
+            socket.create_server((host, candidate), family=family).close()
+        except OSError:
+            continue
+        return candidate
+    with socket.create_server((host, 0), family=family) as sock:
+        return sock.getsockname()[1]
 
 
 def preflight(cfg: Config) -> None:
-    """Fail before binding a port when a configured model is not installed (ModelNotFound)."""
+    """Fail before binding a port when a configured model is not installed, or is a hub id the
+    hub cannot serve now (ModelNotFound)."""
     if cfg.llm.backend == "engine":
-        resolve(cfg.engine.target, "llm")
+        resolve(cfg.engine.target, "llm", setting="engine.target")
         if cfg.engine.draft:
-            resolve(cfg.engine.draft, "llm")
-    resolve(cfg.asr.model, "asr")
-    resolve(cfg.tts.voice, "tts")
-    resolve(cfg.vad.model, "vad")
+            resolve(cfg.engine.draft, "llm", setting="engine.draft")
+    resolve(cfg.asr.model, "asr", setting="asr.model")
+    resolve(cfg.tts.voice, "tts", setting="tts.voice")
+    resolve(cfg.vad.model, "vad", setting="vad.model")
 
 
 class Exposed(Exception):
@@ -77,6 +115,8 @@ def uvicorn_config(app, cfg: Config, host: str, port: int, log_level: str) -> uv
 async def serving_in_process(cfg: Config, shared=None):
     """Run the app on a free loopback port on this event loop (tests, `bench serve`); yields
     (app, base http URL) and shuts down as `serve` does on SIGTERM."""
+    from voiceagent.server.app import create_app
+
     app = create_app(cfg, shared=shared)
     server = uvicorn.Server(uvicorn_config(app, cfg, "127.0.0.1", 0, "warning"))
     task = asyncio.create_task(server.serve())
@@ -111,6 +151,20 @@ def run_serve(cfg: Config, args) -> int:
             logger.info(f"note: {note}")
     preflight(cfg)
     host, port = cfg.server.host, cfg.server.port
+    try:
+        sock = listen(host, port)
+    except CannotListen as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_LISTEN
+    with sock:
+        return _serve_on(cfg, sock)
+
+
+def _serve_on(cfg: Config, sock: socket.socket) -> int:
+    # The app (pipecat, the pipeline) is imported only now: a busy port is found in a second.
+    from voiceagent.server.app import create_app
+
+    host, port = cfg.server.host, sock.getsockname()[1]
     failed: list[str] = []
 
     def on_load_failed(error: str) -> None:
@@ -122,7 +176,7 @@ def run_serve(cfg: Config, args) -> int:
     logger.info(f"voiceagent: call page http://{host}:{port}/ ; Twilio Media Streams "
                 f"ws://{host}:{port}/telephony/twilio ; loading models (GET /healthz says when "
                 "ready)")
-    server.run()
+    server.run(sockets=[sock])
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)
         return 2
