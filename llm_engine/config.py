@@ -55,11 +55,22 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1.0 disables
+    # History penalties (`sampling.penalize`), transformers' semantics, over the last
+    # penalty_last_n tokens of prompt + reply (0: all); EOS is never penalised.
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in the window; 1.0 disables
+    no_repeat_ngram_size: int = 0  # bans repeating an n-gram of the window; 0 disables
+    penalty_last_n: int = 0
     seed: int | None = None
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     # Constrained decoding: target and drafts are masked to the grammar (`llm_engine.grammar`).
     grammar: GrammarSpec | None = None
+
+    def __post_init__(self) -> None:
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0 (1.0 disables it)")
+        if self.no_repeat_ngram_size < 0 or self.penalty_last_n < 0:
+            raise ValueError("no_repeat_ngram_size and penalty_last_n must be >= 0")
 
 
 @dataclass

@@ -35,7 +35,13 @@ from llm_engine.proposers import (
     proposer_names,
 )
 from llm_engine.runner import EagerRunner, TargetRunner
-from llm_engine.sampling import gumbel_noise, is_greedy, logits_to_probs, make_generator
+from llm_engine.sampling import (
+    gumbel_noise,
+    is_greedy,
+    logits_to_probs,
+    make_generator,
+    penalize,
+)
 from llm_engine.stats import EngineTotals, RequestStats, StepStats
 from llm_engine.verify import (
     VerifyResult,
@@ -274,7 +280,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         draft = EMPTY_DRAFT
         if k > 0:
-            ctx = ProposeContext(state.token_ids, k, state.sampling, state.generator, state.grammar)
+            ctx = ProposeContext(state.token_ids, k, state.sampling, state.generator,
+                                 state.grammar, self.eos_token_ids)
             draft = state.proposer.propose(ctx)
             if state.grammar is not None:  # the masks end where the grammar refuses a draft
                 draft = draft.head(state.grammar.constrain(draft.tokens))
@@ -318,16 +325,22 @@ class SpeculativeEngine:
     def _verify(self, state: RequestState, draft: Draft, logits: torch.Tensor) -> VerifyResult:
         # logits: [k + 1, vocab]
         if state.grammar is None:
-            return self._verify_rows(state, draft, logits)
+            return self._verify_rows(state, draft, self._penalize(state, draft, logits))
         # Each row masked by its position's grammar state (module doc of llm_engine.grammar).
         masks = state.grammar.masks().to(logits.device)  # [k + 1, vocab]
-        result = self._verify_rows(state, draft, mask_logits(logits, masks))
+        masked = self._penalize(state, draft, mask_logits(logits, masks))
+        result = self._verify_rows(state, draft, masked)
         state.grammar.commit(result.num_accepted, result.tokens)
         return result
 
+    def _penalize(self, state: RequestState, draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+        """Row i penalised with the committed tokens and drafts d_0..d_{i-1}, the history plain
+        decoding would have there; model drafts are penalised alike (`proposers.base`)."""
+        return penalize(logits, state.token_ids, draft.tokens, state.sampling, self.eos_token_ids)
+
     def _verify_rows(self, state: RequestState, draft: Draft,
                      logits: torch.Tensor) -> VerifyResult:
-        # logits: [k + 1, vocab]
+        # logits: [k + 1, vocab], masked and penalised
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long) if draft.tokens else _NO_TOKENS
         if is_greedy(state.sampling):
             return verify_greedy(draft_tokens, logits)

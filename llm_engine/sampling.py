@@ -1,9 +1,16 @@
-"""The sampling transform, applied identically to the target (p) and the draft (q), and the
-sources of randomness.
+"""The sampling transform, applied identically to the target (p) and the draft (q), the
+history penalties, and the sources of randomness.
 
 Speculative sampling is lossless with respect to the distribution both sides are sampled from, so
 temperature, top-k and top-p must shape p and q the same way (Leviathan et al. 2023, section 3.1:
 any transform of the logits works as long as it is applied to both models).
+
+The history penalties (`penalize`: a repetition penalty, no-repeat n-grams) also read the tokens
+before the position scored. Row i of a verify forward scores the position after the committed
+tokens and draft tokens d_0 .. d_{i-1}, so it is penalised with that history, exactly what plain
+decoding would have seen there had those drafts been committed; a model draft's position i is
+penalised with the same history before it is sampled. The processed rows are then a pure function
+of (logits, history), the same on both sides, and speculation stays exact for the penalised target.
 
 Two sources of randomness, both derived from the request's seed:
 - the request generator (`make_generator`), one stream drawn in step order: the draft model samples
@@ -14,6 +21,7 @@ Two sources of randomness, both derived from the request's seed:
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -25,10 +33,72 @@ class SamplingParams(Protocol):
     temperature: float
     top_k: int
     top_p: float
+    repetition_penalty: float
+    no_repeat_ngram_size: int
+    penalty_last_n: int
 
 
 def is_greedy(sampling: SamplingParams) -> bool:
     return sampling.temperature <= 0.0
+
+
+def uses_history(sampling: SamplingParams) -> bool:
+    """Whether `penalize` changes anything: a penalty other than 1 or an n-gram ban."""
+    return sampling.repetition_penalty != 1.0 or sampling.no_repeat_ngram_size > 0
+
+
+def penalize(
+    logits: torch.Tensor,
+    history: Sequence[int],
+    drafts: Sequence[int],
+    sampling: SamplingParams,
+    exempt: Collection[int] = (),
+) -> torch.Tensor:
+    """logits [n, vocab] -> penalised logits [n, vocab] (float32; the input when nothing applies).
+
+    Row i scores the token after `history` + `drafts[:i]`; its window is the last
+    `penalty_last_n` tokens of that sequence (0: all of it). Transformers' semantics:
+    - repetition penalty r (RepetitionPenaltyLogitsProcessor): the logit of every token in the
+      window is divided by r when positive, multiplied by r when negative;
+    - no-repeat n-grams of size n (NoRepeatNGramLogitsProcessor): a token that would complete an
+      n-gram already in the window is banned (-inf). A ban that would leave a row nothing (a
+      grammar allowing only repeated text) is skipped for that row, never an empty distribution.
+    `exempt` tokens (the engine passes EOS) are never penalised: every chat message ends in EOS,
+    so a penalised EOS would lengthen every reply.
+    """
+    assert logits.ndim == 2
+    if not uses_history(sampling):
+        return logits
+    n = logits.shape[0]
+    last_n = sampling.penalty_last_n or len(history) + n
+    tail = list(history[-last_n:])
+    seq = torch.tensor([*tail, *drafts[: n - 1]], dtype=torch.long, device=logits.device)
+    out = logits.float().clone()
+    for i in range(n):
+        end = len(tail) + i
+        window = seq[max(0, end - last_n) : end]  # row i's history, at most last_n tokens
+        _penalize_row(out[i], window, sampling)
+    if exempt:
+        ids = torch.tensor(sorted(exempt), dtype=torch.long, device=logits.device)
+        out[:, ids] = logits[:, ids].float()
+    return out
+
+
+def _penalize_row(row: torch.Tensor, window: torch.Tensor, sampling: SamplingParams) -> None:
+    # row: [vocab], changed in place; window: [m] token ids. Duplicate ids write equal values.
+    penalty = sampling.repetition_penalty
+    if penalty != 1.0 and window.numel():
+        seen = row[window]
+        row[window] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    size = sampling.no_repeat_ngram_size
+    if size > 0 and window.numel() >= size:
+        ngrams = window.unfold(0, size, 1)  # [m - size + 1, size]
+        prefix = window[window.numel() - size + 1 :]  # [size - 1], the last tokens
+        banned = ngrams[(ngrams[:, :-1] == prefix).all(dim=1), -1]
+        if banned.numel():
+            kept = row.index_fill(0, banned, float("-inf"))
+            if torch.isfinite(kept).any():
+                row.copy_(kept)
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

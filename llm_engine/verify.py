@@ -34,6 +34,8 @@ Two sampled verifications, differing only in where their randomness comes from:
 Constrained requests (`llm_engine.grammar`): each verified row's logits are masked with
 `mask_logits` before p is formed, and model drafts are sampled from q masked the same way. Both
 rules above are lossless for any p and q, so the committed tokens follow the masked target.
+History penalties (`llm_engine.sampling.penalize`) shape each row the same way before p is formed,
+row i with the history up to draft token i, and model drafts' q with the same history.
 """
 
 from __future__ import annotations

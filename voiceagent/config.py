@@ -135,6 +135,23 @@ class AgentConfig(BaseModel):
     tool_filler: str = "One moment, please."
     # Said after a tool that ends the call, which then hangs up; "": the model says its own.
     goodbye: str = "Thank you for calling. Goodbye!"
+    # A short example exchange after the system prompt, showing an answer that does not repeat
+    # the caller's words; prefilled once per call with the system prompt.
+    examples: list[AgentExample] = []
+
+    def example_messages(self) -> list[dict[str, str]]:
+        """The examples as chat messages, in order."""
+        return [m for e in self.examples for m in (
+            {"role": "user", "content": e.user}, {"role": "assistant", "content": e.assistant})]
+
+
+class AgentExample(BaseModel):
+    """One exchange of `agent.examples`: what a caller says and how the bot answers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user: str = Field(min_length=1)
+    assistant: str = Field(min_length=1)
 
 
 class StoreConfig(BaseModel):

@@ -6,14 +6,14 @@ request owns its proposer, so proposer state (a draft KV cache, an n-gram index)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from llm_engine.config import SamplingConfig, SpeculationConfig
-from llm_engine.sampling import is_greedy, logits_to_probs, sample
+from llm_engine.sampling import is_greedy, logits_to_probs, penalize, sample, uses_history
 from llm_engine.verify import mask_logits
 
 if TYPE_CHECKING:
@@ -42,12 +42,18 @@ class DraftBuilder:
 
     Under a grammar each position's logits get the mask the target's will get, and the token is
     pushed onto the grammar's frontier (a host sync per token, for constrained requests only).
+    With history penalties, position i is penalised with `history` and the i drafts before it,
+    as the target's verify row i is (`sampling.penalize`; a host sync per token for those too).
     """
 
     def __init__(self, sampling: SamplingConfig, generator: torch.Generator,
-                 grammar: GrammarState | None = None):
+                 grammar: GrammarState | None = None, history: list[int] | None = None,
+                 exempt: Collection[int] = ()):
         self.sampling, self.generator, self.grammar = sampling, generator, grammar
         self.greedy = is_greedy(sampling)
+        # The committed tokens, then each drafted one: what the next position is penalised with.
+        self._history = list(history or []) if uses_history(sampling) else None
+        self._exempt = exempt
         self._tokens: list[torch.Tensor] = []
         self._q: list[torch.Tensor] = []
         self._allowed: int | None = None  # under a grammar: drafts it accepted, a prefix
@@ -56,8 +62,12 @@ class DraftBuilder:
         """logits [1, vocab] -> the drafted token [1], left on the device."""
         if self.grammar is not None:
             logits = mask_logits(logits, self.grammar.allowed().to(logits.device))
+        if self._history is not None:
+            logits = penalize(logits, self._history, (), self.sampling, self._exempt)
         token = self._choose(logits)
         self._tokens.append(token)
+        if self._history is not None:
+            self._history.append(int(token))
         if self.grammar is not None and self._allowed is None:
             # Refused only after EOS (the masked choice is allowed otherwise): the draft ends.
             if not self.grammar.push(int(token)):
@@ -87,6 +97,12 @@ class ProposeContext:
     generator: torch.Generator  # the request's generator, so seeded runs reproduce
     # A constrained request's grammar at its committed tokens: drafts must be masked by it.
     grammar: GrammarState | None = None
+    penalty_exempt: Collection[int] = ()  # tokens the history penalties spare (the target's EOS)
+
+    def draft_builder(self) -> DraftBuilder:
+        """A builder that shapes each drafted position as the target's verify row is shaped."""
+        return DraftBuilder(self.sampling, self.generator, self.grammar, self.token_ids,
+                            self.penalty_exempt)
 
 
 class Proposer:

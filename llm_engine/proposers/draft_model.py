@@ -13,7 +13,7 @@ import torch
 
 from llm_engine import kv
 from llm_engine.config import SpeculationConfig
-from llm_engine.proposers.base import Draft, DraftBuilder, ProposeContext, Proposer, register
+from llm_engine.proposers.base import Draft, ProposeContext, Proposer, register
 
 
 @register("draft")
@@ -46,7 +46,7 @@ class DraftModelProposer(Proposer):
             return Draft([])
         pending = ctx.token_ids[len(self._cached) :]
         next_input = torch.tensor([pending], device=self.device)  # [1, n_pending]
-        builder = DraftBuilder(ctx.sampling, ctx.generator, ctx.grammar)
+        builder = ctx.draft_builder()
         for i in range(ctx.k):
             logits = kv.forward(self.model, next_input, self.cache, last_only=True)  # [1, vocab]
             token = builder.choose(logits)  # [1]

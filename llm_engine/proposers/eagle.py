@@ -15,7 +15,7 @@ import torch
 from llm_engine import kv
 from llm_engine.config import SpeculationConfig
 from llm_engine.eagle_head import EagleHead
-from llm_engine.proposers.base import Draft, DraftBuilder, ProposeContext, Proposer, register
+from llm_engine.proposers.base import Draft, ProposeContext, Proposer, register
 
 
 @register("eagle")
@@ -76,7 +76,7 @@ class EagleProposer(Proposer):
         tokens = torch.tensor([ctx.token_ids[start + 1 :]], device=self.device)  # [1, m]
         predicted = self.head(features, tokens, self.cache)[:, -1:]  # [1, 1, hidden]
         self._fed = n - 1
-        builder = DraftBuilder(ctx.sampling, ctx.generator, ctx.grammar)
+        builder = ctx.draft_builder()
         for i in range(ctx.k):
             token = builder.choose(self.head.logits(predicted[0]))  # [1]
             if i + 1 < ctx.k:

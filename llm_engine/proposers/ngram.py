@@ -3,7 +3,9 @@
 
 The last n committed tokens are looked up in the prompt plus the generated text; the tokens that
 followed their most recent earlier occurrence are the draft. The longest n in
-[ngram_min, ngram_max] that matches wins. The draft is deterministic, so q is None (one-hot).
+[ngram_min, ngram_max] that matches wins. The draft is deterministic, so q is None (one-hot):
+verification stays exact whatever history penalties do to p, but they reject what this drafts (a
+repeat), so with them on the gate soon turns speculation off.
 """
 
 from __future__ import annotations

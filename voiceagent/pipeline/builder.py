@@ -155,6 +155,7 @@ def build_call(
         context=context if cfg.turn.prepare else None,
         tools=tools,
         max_tool_calls=cfg.agent.max_tool_calls,
+        examples=cfg.agent.example_messages(),
     )
     register_tools(llm, tools, cfg.agent)
     pipeline = Pipeline([

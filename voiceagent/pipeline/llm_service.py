@@ -135,13 +135,15 @@ _MARKUP = ("<", "{")
 _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
 
 
-def chat_messages(context: LLMContext, system_prompt: str | None = None) -> list[dict[str, Any]]:
+def chat_messages(context: LLMContext, system_prompt: str | None = None,
+                  examples: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """The context as OpenAI chat messages for the backend (`llm_engine.prompts` renders them
     for the target's chat template).
 
     Content parts are flattened to their text; an assistant's tool calls and the tool results
     are kept; provider-specific messages and messages without text are left out.
-    `system_prompt` goes first when the context has no system message of its own.
+    `system_prompt` goes first when the context has no system message of its own; `examples`
+    (an example exchange, `AgentConfig.example_messages`) right after the system message.
     """
     messages: list[dict[str, Any]] = []
     for message in context.get_messages():
@@ -159,6 +161,8 @@ def chat_messages(context: LLMContext, system_prompt: str | None = None) -> list
             messages.append({"role": _CHAT_ROLES[role], "content": text})
     if system_prompt and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
+    at = 1 if messages and messages[0]["role"] == "system" else 0
+    messages[at:at] = [dict(m) for m in examples]
     return messages
 
 
@@ -194,13 +198,14 @@ class SpeculativeLLMService(LLMService):
         context: LLMContext | None = None,
         tools: Sequence[Tool] = (),
         max_tool_calls: int = 1,
+        examples: Sequence[dict[str, Any]] = (),
         **kwargs,
     ):
         """`sampling` and `method` override the engine config's; None keeps them. `context`: the
         call's conversation, for prefilling the caller's words while they speak (None: off).
         `tools`: what the model may call (their handlers are registered by tool_calls.py), at
         most `max_tool_calls` times a turn: then the reply must be words (a small model would
-        call again and again)."""
+        call again and again). `examples`: an example exchange after the system prompt."""
         # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
         # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
@@ -234,6 +239,7 @@ class SpeculativeLLMService(LLMService):
         self._prefill: asyncio.Task | None = None
         self._tools = list(tools)
         self._max_tool_calls = max_tool_calls
+        self._examples = list(examples)
         self._ending = False  # a tool ended the call: the next finished reply is the last
 
     def end_after_reply(self) -> None:
@@ -291,11 +297,12 @@ class SpeculativeLLMService(LLMService):
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Prefill the system prompt into this call's session cache before the caller's first
-        turn, so turn 1 only prefills the caller's words (the engine reuses the shared prefix)."""
-        system = self._settings.system_instruction
-        if isinstance(system, str) and system:
-            self._submit_prefill([{"role": "system", "content": system}])
+        """Prefill the system prompt (and the examples) into this call's session cache before the
+        caller's first turn, so turn 1 only prefills the caller's words (the engine reuses the
+        shared prefix)."""
+        messages = self._messages(LLMContext())
+        if messages:
+            self._submit_prefill(messages)
 
     def _prefill_words(self, text: str) -> None:
         """Prefill the conversation and the caller's words so far while they speak, so the reply
@@ -320,7 +327,7 @@ class SpeculativeLLMService(LLMService):
 
     def _messages(self, context: LLMContext) -> list[dict[str, Any]]:
         system = self._settings.system_instruction
-        return chat_messages(context, system if isinstance(system, str) else None)
+        return chat_messages(context, system if isinstance(system, str) else None, self._examples)
 
     def _tool_use(self, messages: list[dict[str, Any]]) -> ToolUse | None:
         """The tools this request may call: all of them, a call required when the caller's words
