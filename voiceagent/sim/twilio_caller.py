@@ -4,23 +4,29 @@ Like Twilio it sends `connected` and `start`, then 20 ms of μ-law 8 kHz `media`
 as long as the call lasts (silence between utterances), a `dtmf` for each key pressed, echoes
 each `mark` it receives, and on hang-up sends `stop`. Everything it receives is time-stamped on
 its own monotonic clock, so round trips (the caller stops talking -> the first bot audio
-arrives) are measured end to end. Used by the server tests and `voiceagent bench serve`.
+arrives) are measured end to end. Used by the server tests and `voiceagent bench serve`, and
+from a shell: `python -m voiceagent.sim.twilio_caller ws://127.0.0.1:7860/telephony/twilio
+question.wav` says each WAV in turn, waits for each reply and prints what the caller heard.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import audioop  # μ-law, as pipecat's serializer does it; audioop-lts provides it on 3.13+
 import base64
 import json
+import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import websockets
 
-from audio.wav import resample
+from audio.wav import AudioFormatError, read_wav, resample, write_wav
 
 RATE = 8000
 CHUNK = RATE // 50  # 20 ms
@@ -36,6 +42,7 @@ class Utterance:
 @dataclass
 class Received:
     media: list[tuple[float, int]] = field(default_factory=list)  # (time, μ-law bytes)
+    audio: list[tuple[float, bytes]] = field(default_factory=list)  # (time, μ-law), keep_audio
     marks: list[tuple[float, str]] = field(default_factory=list)
     clears: list[float] = field(default_factory=list)
     other: list[dict] = field(default_factory=list)
@@ -51,8 +58,9 @@ class Received:
 
 class TwilioCaller:
     def __init__(self, url: str, *, token: str | None = None, headers: dict | None = None,
-                 custom_parameters: dict | None = None):
+                 custom_parameters: dict | None = None, keep_audio: bool = False):
         self.url = url
+        self.keep_audio = keep_audio  # keep what the bot sent in `received.audio`
         self.headers = dict(headers or {})
         self.custom_parameters = dict(custom_parameters or {})
         if token:
@@ -195,6 +203,8 @@ class TwilioCaller:
                 if event == "media":
                     payload = base64.b64decode(message["media"]["payload"])
                     self.received.media.append((now, len(payload)))
+                    if self.keep_audio:
+                        self.received.audio.append((now, payload))
                 elif event == "mark":
                     name = message["mark"]["name"]
                     self.received.marks.append((now, name))
@@ -210,3 +220,125 @@ class TwilioCaller:
             self.received.close_code = self._ws.close_code
             self.received.close_reason = self._ws.close_reason or ""
             self.closed.set()
+
+
+def heard(received: Received, t0: float) -> np.ndarray:
+    """What the caller heard, int16 at RATE on the call's timeline (silence between replies)."""
+    out = np.zeros(0, np.int16)
+    for at, payload in received.audio:
+        pcm = np.frombuffer(audioop.ulaw2lin(payload, 2), np.int16)
+        start = max(len(out), int((at - t0) * RATE) - len(pcm))  # it arrived by `at`
+        out = np.concatenate([out, np.zeros(start - len(out), np.int16), pcm])
+    return out
+
+
+async def place_call(args: argparse.Namespace) -> dict:
+    """One call: lead-in silence, then each WAV and the bot's reply to it; a summary."""
+    utterances = [(str(path), read_wav(path, 16000)) for path in args.wav]
+    headers = {}
+    if args.twilio_auth_token:
+        from twilio.request_validator import RequestValidator
+
+        signed = RequestValidator(args.twilio_auth_token).compute_signature(args.url, {})
+        headers["X-Twilio-Signature"] = signed
+    params = dict(p.split("=", 1) for p in args.param)
+    caller = TwilioCaller(args.url, token=args.token, headers=headers, custom_parameters=params,
+                          keep_audio=bool(args.out))
+    turns = []
+    async with caller:
+        await caller.start()
+        t0 = time.monotonic()
+        await asyncio.sleep(args.lead_in)
+        for name, samples in utterances:
+            said = await caller.say(samples, 16000)
+            first = await caller.reply(said.ended, args.timeout, args.quiet)
+            turns.append({
+                "wav": name, "said_at_s": round(said.started - t0, 3),
+                "said_s": round(said.ended - said.started, 3),
+                "reply_after_ms": None if first is None else round(1000 * (first - said.ended)),
+                "reply_audio_s": round(sum(n for at, n in caller.received.media
+                                           if at >= said.ended) / RATE, 3),
+            })
+            if caller.closed.is_set():
+                break
+        await caller.hang_up()
+        await caller.wait(lambda r: r.close_code is not None, 2.0)
+    r = caller.received
+    if args.out:
+        write_wav(args.out, heard(r, t0), RATE)
+    return {
+        "call_sid": caller.call_sid, "url": args.url, "turns": turns,
+        "heard_s": round(r.audio_seconds(), 3),
+        "clears_at_s": [round(at - t0, 3) for at in r.clears],
+        "marks": [{"at_s": round(at - t0, 3), "name": name} for at, name in r.marks],
+        "close_code": r.close_code, "close_reason": r.close_reason,
+    }
+
+
+def summary_lines(call: dict) -> list[str]:
+    lines = [f"call {call['call_sid']} to {call['url']} (times from the call's start)"]
+    for turn in call["turns"]:
+        answer = ("no reply" if turn["reply_after_ms"] is None else
+                  f"the reply began {turn['reply_after_ms']} ms after it ended, "
+                  f"{turn['reply_audio_s']:.2f} s of audio")
+        lines.append(f"  said {turn['wav']} at {turn['said_at_s']:.2f} s "
+                     f"({turn['said_s']:.2f} s): {answer}")
+    clears = ", ".join(f"{t:.2f} s" for t in call["clears_at_s"]) or "none"
+    marks = ", ".join(f"{m['name']} at {m['at_s']:.2f} s" for m in call["marks"]) or "none"
+    lines += [f"heard {call['heard_s']:.2f} s of bot audio", f"clear: {clears}",
+              f"marks: {marks}", f"closed: {call['close_code']} {call['close_reason']}".rstrip()]
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m voiceagent.sim.twilio_caller",
+        description="A simulated Twilio Media Streams caller: connects to a voiceagent serve "
+        "(or any Media Streams server), says each WAV in turn at real-time pace, waits for the "
+        "bot's reply to each, hangs up, and prints what it heard: reply latency and length, "
+        "the clears and marks it received, and how the call closed.")
+    p.add_argument("url", help="the server's Media Streams WebSocket, e.g. "
+                   "ws://127.0.0.1:7860/telephony/twilio")
+    p.add_argument("wav", nargs="+", type=Path, help="caller audio, one WAV per utterance")
+    p.add_argument("--token", default=os.environ.get("VOICEAGENT_TOKEN"),
+                   help="the server's token, sent as the `token` custom parameter "
+                   "(default: $VOICEAGENT_TOKEN)")
+    p.add_argument("--twilio-auth-token", default=os.environ.get("TWILIO_AUTH_TOKEN"),
+                   help="sign the request as Twilio does (X-Twilio-Signature over URL) for a "
+                   "server that checks signatures (default: $TWILIO_AUTH_TOKEN)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a custom parameter of the `start` message (repeatable)")
+    p.add_argument("--lead-in", type=float, default=1.0,
+                   help="seconds of silence before the first utterance (default: 1)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait for the bot's reply to each utterance (default: 30)")
+    p.add_argument("--quiet", type=float, default=1.5,
+                   help="a reply is over after this many seconds without audio (default: 1.5)")
+    p.add_argument("--out", type=Path, help="write what the caller heard here (WAV, 8 kHz)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0: every utterance had a reply; 1: one had none, or the server closed the call; 2: the
+    call could not be placed (bad WAV or parameter, server unreachable)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if any("=" not in p for p in args.param):
+        parser.error("--param takes KEY=VALUE")
+    try:
+        call = asyncio.run(place_call(args))
+    except AudioFormatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, websockets.InvalidURI, websockets.InvalidHandshake) as exc:
+        print(f"error: cannot call {args.url}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(call) if args.json else "\n".join(summary_lines(call)))
+    answered = all(t["reply_after_ms"] is not None for t in call["turns"])
+    complete = len(call["turns"]) == len(args.wav)
+    return 0 if answered and complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
