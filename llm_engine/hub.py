@@ -29,7 +29,7 @@ def hub_location(repo_id: str, setting: str | None = None) -> str:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     offline = f"this process is offline (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '1')})"
-    why = offline if constants.is_offline_mode() else _unreachable()
+    why = offline if constants.HF_HUB_OFFLINE else _unreachable()
     if why is None:
         return repo_id
     try:
