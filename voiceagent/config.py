@@ -76,6 +76,10 @@ class ServerConfig(BaseModel):
     allowed_origins: list[str] = Field(default_factory=list)
     # The capacity knee measured on 2 CPU cores (`bench serve --knee`); raise it with the cores.
     max_calls: int = Field(1, ge=1)
+    # The A/B baseline: this share of calls runs with speculation off (the in-process engine
+    # only), spread evenly over the calls, so the dashboard's ITL speed-up fills itself from live
+    # traffic. 0: every call uses engine.speculation.method.
+    ab_off_share: float = Field(0.1, ge=0.0, le=1.0)
     max_api_requests: int = Field(2, ge=1)  # /v1/chat/completions requests at once (429)
     max_message_bytes: int = Field(64 * 1024, ge=1024)
     idle_timeout_s: float = Field(60.0, gt=0)
@@ -390,7 +394,7 @@ def _fields(tp: Any) -> dict[str, Any] | None:
     return None
 
 
-def _did_you_mean(value: Any, choices: list[str]) -> str:
+def did_you_mean(value: Any, choices: list[str]) -> str:
     """"did you mean 'x'?" for the nearest choice to a mistyped string, else ""."""
     if not isinstance(value, str):
         return ""
@@ -399,7 +403,7 @@ def _did_you_mean(value: Any, choices: list[str]) -> str:
 
 
 def _unknown_key(parts: list[str] | tuple[str, ...], fields: list[str]) -> str:
-    guess = _did_you_mean(parts[-1], fields)
+    guess = did_you_mean(parts[-1], fields)
     return (f"unknown config key '{'.'.join(parts)}'{f' ({guess})' if guess else ''}; "
             f"valid keys: {', '.join(fields)}")
 
@@ -433,7 +437,7 @@ def _describe(exc: ValidationError, data: dict, origins: dict[tuple[str, ...], s
             msg = err["msg"].removeprefix("Value error, ")
             if not isinstance(value, dict) and repr(value) not in msg:
                 msg += f" (got {value!r})"
-            guess = _did_you_mean(value, _choices(loc))
+            guess = did_you_mean(value, setting_choices(loc))
             problem = f"{msg}; {guess}" if guess else msg
             if not origins.get(loc, "").startswith("--set "):  # that flag names the key
                 problem = f"{'.'.join(loc)}: {problem}"
@@ -469,8 +473,8 @@ def _bad_key(loc: tuple[str, ...], err: dict, data: dict) -> tuple[str, ...]:
     return (*loc, keys[0]) if len(keys) == 1 else loc
 
 
-def _choices(loc: tuple[str, ...]) -> list[str]:
-    """The valid values of a key that takes one of a set of names."""
+def setting_choices(loc: tuple[str, ...]) -> list[str]:
+    """The valid values of a key (its path) that takes one of a set of names."""
     if loc == ("engine", "speculation", "method"):
         from llm_engine.proposers import check_method, proposer_names
 

@@ -138,14 +138,16 @@ def test_browser_call_transcribes_answers_and_shows_clocks(server, tmp_path):
             expect(status == "connected", f"status {status!r} during the call")
             cells = page.locator("#clocks tr.turn").first.locator("td").all_text_contents()
             expect(len(cells) == 9 and cells[0] == "1", f"turn row {cells}")
-            # Request -> first token and turn end -> first audio are measured on every turn.
-            expect(all(_is_number(cells[i]) for i in (1, 4)), f"clocks missing in {cells}")
+            # Request -> first token, the mean ITL (a reply has several tokens; its p50 may be
+            # 0 under speculation) and turn end -> first audio are measured on every turn.
+            expect(all(_is_number(cells[i]) for i in (1, 2, 4)), f"clocks missing in {cells}")
+            expect(float(cells[2]) > 0, f"a turn's mean ITL shows {cells[2]}")
             # The turn's speculation figures, as the server's turn message has them.
             turn = _turn_messages(page)[0]
             spec = turn["speculation"]
             expect(cells[5] == spec["method"] and spec["method"], f"method: {cells} {spec}")
-            if spec["mean_accepted_per_step"] is not None:
-                want = f"{spec['mean_accepted_per_step']:.2f}"
+            if spec["accepted_per_step"] is not None:
+                want = f"{spec['accepted_per_step']:.2f}"
                 expect(cells[6] == want, f"accepted/step {cells[6]!r}, message {spec}")
             if spec["tokens_per_s"] is not None:
                 expect(cells[7] == str(round(spec["tokens_per_s"])), f"tokens/s: {cells} {spec}")

@@ -45,9 +45,12 @@ TOOLS = [ToolCall("lookup_order", 612.4, 87, ok=True), ToolCall("get_weather", 2
 # A hand-built call with speculation off under another config, two days old: the filters' other
 # choice in "last 7 d".
 OFF_CALL_ID, OFF_CONFIG = "off-call", "feedfacefeedface"
+# A hand-built Twilio call, four days old, whose turns speculated unevenly: a plain step, an
+# n-gram miss, K from 2 to 6.
+TWILIO_CALL_ID, CALL_SID = "twilio-call", "CA0123456789abcdef0123456789abcdef"
 CLOCKS = {
     "chart-clock1": lambda t: t["clocks"]["request_to_first_token_ms"],
-    "chart-clock2": lambda t: t["clocks"]["itl_ms"]["p50"],
+    "chart-clock2": lambda t: t["clocks"]["itl_ms"]["mean"],
     "chart-clock3": lambda t: t["clocks"]["turn_end_to_first_audio_ms"],
 }
 PAGE_TIMEOUT_MS = 20_000
@@ -86,6 +89,7 @@ def stored_call(tmp_path_factory):
     assert len(result.turns) == len(QUESTIONS), [t.user_text for t in result.turns]
     _store_tool_call(cfg)
     _store_off_call(cfg)
+    _store_twilio_call(cfg)
     return tmp, result.call_id
 
 
@@ -108,6 +112,23 @@ def _store_off_call(cfg) -> None:
     store.start_call(CallInfo(OFF_CALL_ID, "webrtc", started, "off", OFF_CONFIG))
     for n in (1, 2):
         store.write(make_turn(OFF_CALL_ID, n, started + n, method="off"))
+    store.flush()
+    store.close()
+
+
+def _store_twilio_call(cfg) -> None:
+    started = time.time() - 4 * 86400
+    store = open_store(cfg)
+    store.start_call(CallInfo(TWILIO_CALL_ID, "twilio", started, "ngram", call_sid=CALL_SID))
+    ks = ([(4, 4, 2), (0, 0, 0), (3, 0, 0), (3, 3, 3)],
+          [(2, 2, 2), (4, 4, 4), (6, 6, 1), (6, 6, 6), (6, 6, 0)])
+    for n, turn_ks in enumerate(ks, 1):
+        record = make_turn(TWILIO_CALL_ID, n, started + n)
+        record.engine["steps"] = [
+            {"k": k, "drafted": d, "accepted": a, "rejection_pos": None if a == d else a,
+             "committed": a + 1, "draft_ms": 0.5, "verify_ms": 60.0} for k, d, a in turn_ks]
+        record.engine["k_history"] = [k for k, _, _ in turn_ks]
+        store.write(record)
     store.flush()
     store.close()
 
@@ -201,11 +222,15 @@ def _at(d: dict, path: str):
 
 def _shown_as(value, metric: str, text: str) -> bool:
     """The page's text for `value`: ms rounded, shares in whole percent, 2 decimals per step."""
+    if metric.endswith("off_turns"):  # beside a speed-up: off's turns, or that there are none
+        return text == (str(value) if value else "no off")
     if value is None:
         return text == "–"
-    if metric == "mean_accepted_per_step":
+    if metric == "itl_speedup.value":
+        return text == f"{value:.2f}×"
+    if metric.startswith("accepted_per_step") or metric == "k_mean":
         return abs(float(text) - value) <= 0.005 + 1e-9
-    if metric.endswith("_share"):
+    if metric.endswith("_share") or metric == "acceptance_rate":
         return text.endswith("%") and abs(int(text[:-1]) - 100 * value) <= 0.5
     if metric.endswith("_ms") or "_ms." in metric:
         return text == str(math.floor(value + 0.5))  # JS Math.round: halves go up
@@ -243,11 +268,13 @@ def test_by_method_table_has_a_row_per_method_with_the_apis_numbers(dashboard):
     for method, figures in by_method.items():
         shown = dashboard.page.evaluate(METRICS, f'#by-method tr[data-method="{method}"]')
         for m in shown:
-            if m["metric"].startswith("itl_speedup"):  # the page's ratio against "off"
-                continue
             want = _at(figures, m["metric"])
             dashboard.expect(m["value"] == want and _shown_as(want, m["metric"], m["text"]),
                              f"{method} {m['metric']}: page {m} api {want}")
+    # The real call alone has no turns with speculation off: the page says how to get some.
+    baseline = dashboard.page.text_content("#baseline")
+    dashboard.expect("off" not in by_method and baseline.startswith("No turns with speculation")
+                     and "server.ab_off_share" in baseline, f"baseline note: {baseline!r}")
 
 
 def _shown(dashboard, selector: str) -> dict:
@@ -272,18 +299,21 @@ def test_the_speed_up_shows_the_turns_it_is_over(chromium, server, tmp_path):
         n = shown.get("samples.itl_turns")
         d.expect(n is not None and n["value"] == want and n["text"] == str(want),
                  f"{method}: sample size {n}, api {want}")
-        d.expect(shown["samples.mean_accepted_per_step"]["value"]
-                 == figures["samples"]["mean_accepted_per_step"], f"{method}: {shown}")
+        d.expect(shown["samples.speculative_steps"]["value"]
+                 == figures["samples"]["speculative_steps"], f"{method}: {shown}")
         if method != "off":
-            vs = shown["itl_speedup_off_turns"]
+            vs = shown["itl_speedup.off_turns"]
             d.expect(vs["value"] == off_turns and vs["text"] == str(off_turns),
                      f"{method}: off's sample size {vs}, api {off_turns}")
             cell = d.page.locator(f'#by-method tr[data-method="{method}"] '
-                                  '[data-metric="itl_speedup"]').locator("..").inner_text()
+                                  '[data-metric="itl_speedup.value"]').locator("..").inner_text()
             d.expect(f"({want} vs {off_turns} turns)" in cell, f"{method} speed-up: {cell!r}")
+    baseline = d.page.text_content("#baseline")
+    d.expect(baseline.startswith("Baseline: the turns with speculation off"),
+             f"baseline note: {baseline!r}")
     cards = _shown(d, "#overview")
     overview = d.api("/api/overview", **d.params())
-    for key in ("turn_end_to_first_audio_ms", "itl_turns", "mean_accepted_per_step"):
+    for key in ("turn_end_to_first_audio_ms", "itl_turns", "accepted_per_step_turns"):
         d.expect(cards[f"samples.{key}"]["value"] == overview["samples"][key],
                  f"card sample size {key}: {cards.get(f'samples.{key}')}")
     d.page.screenshot(path=str(d.shot), full_page=True)
@@ -329,7 +359,7 @@ def test_filters_by_method_and_config_hash_narrow_the_page(chromium, server, sto
     narrowed("off", "", [OFF_CALL_ID], 2)
     narrowed("", real_config, [call_id], len(QUESTIONS))
     narrowed("off", real_config, [], 0)
-    narrowed("", "", [call_id, TOOL_CALL_ID, OFF_CALL_ID], everything)
+    narrowed("", "", [call_id, TOOL_CALL_ID, OFF_CALL_ID, TWILIO_CALL_ID], everything)
     d.page.screenshot(path=str(d.shot), full_page=True)
     d.page.context.close()
 
@@ -372,7 +402,7 @@ def test_calls_list_shows_the_call_and_a_click_draws_its_waterfall(dashboard, st
           [...r.querySelectorAll("[data-metric]")]
             .map((e) => [e.dataset.metric, JSON.parse(e.dataset.value)]))""")
         want = {"request_to_first_token_ms": t["clocks"]["request_to_first_token_ms"],
-                "itl_ms.p50": t["clocks"]["itl_ms"]["p50"],
+                "itl_ms.mean": t["clocks"]["itl_ms"]["mean"],
                 "turn_end_to_first_audio_ms": t["clocks"]["turn_end_to_first_audio_ms"]}
         dashboard.expect(shown == want, f"turn {t['turn']} clocks: page {shown}, api {want}")
 
@@ -426,6 +456,83 @@ def test_speculation_charts_plot_the_apis_histograms(dashboard):
     k_lines = dashboard.page.evaluate(CHART_DATA, "chart-k")
     with_k = [h for h in spec["k_history"] if h["k"]]
     dashboard.expect(len(k_lines) == min(20, len(with_k)), f"{len(k_lines)} K lines")
+
+
+K_LEGEND = """() => {
+  const legend = [...document.querySelectorAll("#chart-k .legend .traces")];
+  const title = (sel) => (document.querySelector(`#chart-k ${sel}`) || {}).textContent || "";
+  return {
+    entries: legend.map((e) => e.querySelector(".legendtext").textContent),
+    xtitle: title(".g-xtitle"),
+    ytitle: title(".g-ytitle"),
+  };
+}"""
+
+
+def test_k_chart_has_a_legend_naming_each_turn_under_its_method_and_titled_axes(dashboard):
+    spec = dashboard.api("/api/speculation", **dashboard.since())
+    with_k = [h for h in spec["k_history"] if h["k"]][-20:]
+    dashboard.expect(bool(with_k), f"no turn with a K history: {spec['k_history']}")
+    lines = dashboard.page.evaluate("""() => document.getElementById("chart-k").data
+      .map((t) => ({name: t.name, group: t.legendgroup, colour: t.line.color}))""")
+    want = {(f"call {h['call_id']} turn {h['turn']}", h["method"]) for h in with_k}
+    dashboard.expect({(t["name"], t["group"]) for t in lines} == want,
+                     f"K lines {lines}, want {want}")
+    dashboard.expect(all(len({t["colour"] for t in lines if t["group"] == m}) == 1
+                         for m in {t["group"] for t in lines}), f"a colour per method: {lines}")
+    drawn = dashboard.page.evaluate(K_LEGEND)
+    methods = {h["method"] for h in with_k}
+    # Drawn: a group title per method, then an entry per turn.
+    dashboard.expect(sorted(drawn["entries"]) == sorted([*methods, *(n for n, _ in want)]),
+                     f"K legend drawn: {drawn['entries']}, want {methods} and {want}")
+    dashboard.expect(drawn["xtitle"] == "decode step of the turn's reply"
+                     and drawn["ytitle"] == "K asked for (0: a plain step)",
+                     f"K axes titled {drawn['xtitle']!r} and {drawn['ytitle']!r}")
+
+
+def test_a_twilio_call_shows_its_call_sid_and_each_turns_speculation(chromium, server, tmp_path):
+    url, log = server
+    d = Dashboard(chromium, url, log, tmp_path / "dashboard-twilio.png")
+    d.page.goto(f"{url}/dashboard")
+    d.page.select_option("#window", "604800")  # last 7 d
+    row = f'#calls tr[data-call-id="{TWILIO_CALL_ID}"]'
+    d.wait(f"() => document.querySelector('{row}') !== null", "the Twilio call is not listed")
+    listed = d.page.text_content(f"{row} td.call-sid").strip()
+    d.expect(listed == CALL_SID, f"the calls list shows CallSid {listed!r}")
+    others = d.page.eval_on_selector_all(
+        f'#calls tr[data-call-id="{OFF_CALL_ID}"] td.call-sid', "(tds) => tds.map((td) => "
+        "td.textContent)")
+    d.expect(others == ["–"], f"a WebRTC call's CallSid cell: {others}")
+
+    d.page.click(row)
+    found = d.api(f"/api/calls/{TWILIO_CALL_ID}")
+    d.wait("""(n) => document.querySelectorAll("#call-speculation tr[data-turn]").length === n
+                && document.getElementById("call-sid") !== null""",
+           "no per-turn speculation or CallSid after the click", len(found["speculation"]))
+    title = d.page.text_content("#call-title")
+    d.expect(d.page.text_content("#call-sid") == CALL_SID and CALL_SID in title,
+             f"call title: {title!r}")
+    rows = d.page.eval_on_selector_all("#call-speculation tr[data-turn]", """(rows) => rows.map(
+      (r) => ({turn: Number(r.dataset.turn), method: r.querySelector("td.method").textContent,
+               text: r.textContent,
+               shown: Object.fromEntries([...r.querySelectorAll("[data-metric]")].map(
+                 (e) => [e.dataset.metric, [JSON.parse(e.dataset.value), e.textContent]]))}))""")
+    d.expect(len(rows) == 2, f"speculation rows: {rows}")
+    for got, want in zip(rows, found["speculation"], strict=True):
+        d.expect(got["turn"] == want["turn"] and got["method"] == want["method"],
+                 f"turn {want['turn']}: {got}")
+        for key, (value, text) in got["shown"].items():
+            d.expect(value == want[key] and _shown_as(want[key], key, text),
+                     f"turn {want['turn']} {key}: page {value} as {text!r}, api {want[key]}")
+    # What each turn's row reads as (the API's figures, as test_dashboard_api checks them).
+    one, two = (" ".join(r["text"].split()) for r in rows)
+    d.expect("2 / 4" in one and "2.50" in one and "71% (5 of 7)" in one and "3–4" in one
+             and "3.33" in one, f"turn 1 reads {one!r}")
+    d.expect("5 / 5" in two and "2.60" in two and "54% (13 of 24)" in two and "2–6" in two
+             and "4.80" in two, f"turn 2 reads {two!r}")
+    d.page.screenshot(path=str(d.shot), full_page=True)
+    print(f"\ndashboard screenshot of a Twilio call: {d.shot}")
+    d.page.context.close()
 
 
 def test_pair_card_and_live_indicator(dashboard):

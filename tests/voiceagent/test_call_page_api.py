@@ -8,6 +8,7 @@ import httpx
 
 from tests.voiceagent.serving import server_config
 from tests.voiceagent.turns import make_turn
+from voiceagent.dashboard.stats import turn_speculation
 from voiceagent.pipeline.turn_record import ToolCall
 from voiceagent.server.app import create_app
 from voiceagent.server.webrtc import _aiortc_ice_servers, ice_servers, turn_message
@@ -61,13 +62,16 @@ async def test_ice_servers_need_the_token_as_the_offer_does(tmp_path):
 
 def test_the_turn_message_carries_the_speculation_figures_and_tool_calls():
     record = make_turn("c1", 3)
-    record.engine.update(acceptance_rate=0.75, tokens_per_s=41.5, generated_tokens=12)
+    record.engine.update(tokens_per_s=41.5, generated_tokens=12)
     record.tool_calls = [ToolCall("lookup_order", 612.5, 87, ok=True),
                          ToolCall("get_weather", 300.0, None, ok=False, cancelled=True)]
     message = turn_message(record)
     assert message["type"] == "turn" and message["turn"] == 3
-    assert message["speculation"] == {"method": "ngram", "mean_accepted_per_step": 3.0,
-                                      "acceptance_rate": 0.75, "tokens_per_s": 41.5,
+    spec = turn_speculation(record.engine)  # the dashboard's per-turn figures
+    assert message["speculation"] == {"method": "ngram", "accepted_per_step":
+                                      spec["accepted_per_step"],
+                                      "acceptance_rate": spec["acceptance_rate"],
+                                      "tokens_per_s": 41.5,
                                       "generated_tokens": 12}
     assert message["tool_calls"] == [
         {"name": "lookup_order", "duration_ms": 612.5, "ok": True, "outcome": "ok"},
@@ -79,6 +83,6 @@ def test_a_turn_without_engine_stats_has_empty_figures():
     record.engine = {}
     message = turn_message(record)
     assert message["speculation"] == dict.fromkeys(
-        ("method", "mean_accepted_per_step", "acceptance_rate", "tokens_per_s",
+        ("method", "accepted_per_step", "acceptance_rate", "tokens_per_s",
          "generated_tokens"))
     assert message["tool_calls"] == []

@@ -27,8 +27,8 @@ from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import TransportParams
 
-from voiceagent.pipeline.clocks import ClocksObserver, merged_stats
-from voiceagent.pipeline.frames import PreparedResponseStartFrame
+from voiceagent.pipeline.clocks import ClocksObserver, heard_part, merged_stats
+from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserSpeechOnsetFrame
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
@@ -106,6 +106,77 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
     assert r.interrupted and r.interruption_to_silence_ms == 30
     assert r.barge_in_to_silence_ms == 150  # from when the caller actually started
     assert r.engine["interrupted"]
+
+
+async def test_barge_in_is_timed_from_the_first_voiced_frame_in_detection_and_stopping():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await answered_turn(obs)
+    # The caller's first voiced frame arrived at 2000; the VAD confirmed speech at 2450 (its
+    # smoothed volume and start_secs), the interruption followed at 2470, silence at 2500.
+    await push(obs, UserSpeechOnsetFrame(onset_ns=2000 * MS), 2450)
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2450)
+    await push(obs, InterruptionFrame(), 2470)
+    await push(obs, BotStoppedSpeakingFrame(), 2500, src=OUT)
+    await push(obs, engine_metrics(interrupted=True), 2510)
+    [r] = records
+    assert r.barge_in_to_silence_ms == 500  # not 250: the VAD's start minus start_secs
+    assert (r.barge_in_detection_ms, r.interruption_to_silence_ms) == (470, 30)
+
+
+def test_heard_part_keeps_the_words_whose_end_was_played():
+    text = "The time is 12:12:12."
+    assert heard_part(text, 0.0) == ""
+    assert heard_part(text, 0.55) == "The time is"  # "is" ends at 11 of 21 characters
+    assert heard_part(text, 0.5) == "The time"
+    assert heard_part(text, 1.0) == text
+
+
+async def test_an_interrupted_turn_keeps_the_words_its_played_audio_carried():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await answered_turn(obs)  # "It" played to its end
+    second = TTSAudioRawFrame(b"\0\0" * 16000, 16000, 1)  # a 1 s clause
+    await push(obs, second, 2000, src=TTS)
+    await push(obs, TTSTextFrame("The time is 12:12:12.", text_type="sentence"), 2001, src=TTS)
+    for i in range(6):  # 0.6 s of it played
+        await push(obs, TTSAudioRawFrame(b"\0\0" * 1600, 16000, 1), 2100 + 100 * i, src=OUT)
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2700)
+    await push(obs, InterruptionFrame(), 2710)
+    await push(obs, BotStoppedSpeakingFrame(), 2720, src=OUT)
+    await push(obs, engine_metrics(interrupted=True), 2730)
+    [r] = records
+    assert r.interrupted and r.bot_text == "It The time is"
+
+
+async def test_a_reply_after_a_withdrawn_one_has_its_tts_stages_before_its_start_frame():
+    """The TTS queues a reply's LLMFullResponseStartFrame behind its audio contexts, so the next
+    reply's TTSStartedFrame and audio can come before it: they are that reply's, while frames of
+    the withdrawn reply's TTS context are not."""
+    records = []
+    obs = ClocksObserver("c1", records.append)
+    await push(obs, VADUserStartedSpeakingFrame(), 0)
+    await push(obs, _prepared_context("what is the"), 900, dst=LLM)
+    await push(obs, PreparedResponseStartFrame(), 901, src=LLM)
+    await push(obs, LLMTextFrame("The"), 1000, src=LLM)
+    await push(obs, TTSStartedFrame(context_id="old"), 1010, src=TTS)
+    await push(obs, EagerEndOfTurnCancelFrame(), 1100)
+    await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1, context_id="old"), 1101, src=TTS)
+    await push(obs, _prepared_context("what is the time"), 2000, dst=LLM)
+    await push(obs, PreparedResponseStartFrame(), 2001, src=LLM)
+    await push(obs, LLMTextFrame("It is"), 2100, src=LLM)
+    await push(obs, TTSStartedFrame(context_id="new"), 2150, src=TTS)
+    await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1, context_id="new"), 2250, src=TTS)
+    await push(obs, PreparedResponseStartFrame(), 2251, src=TTS)
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 2300)
+    await push(obs, TranscriptionFrame("What is the time?", "user", "now"), 2301)
+    await push(obs, UserStoppedSpeakingFrame(), 2302)
+    await push(obs, BotStartedSpeakingFrame(), 2310, src=OUT)
+    await push(obs, _prepared_metrics(5, discarded=False), 2400)
+    await push(obs, BotStoppedSpeakingFrame(), 3000, src=OUT)
+    [turn] = records
+    assert (turn.breakdown.first_clause_ms, turn.breakdown.tts_first_chunk_ms) == (50, 100)
+    assert turn.breakdown.chunk_to_audio_ms == 60
 
 
 async def test_a_barge_in_decided_after_its_speech_ended_is_timed_from_that_speech():

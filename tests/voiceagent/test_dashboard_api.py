@@ -50,7 +50,8 @@ async def test_overview_is_the_stats_of_the_stored_turns(tmp_path):
         got = (await http.get("/api/overview")).json()
         recent = (await http.get("/api/overview", params={"since": 1300})).json()
     expected = json.loads(json.dumps(overview([r.to_dict() for r in records])))  # as JSON
-    assert got == {"since": None, "method": None, "config_hash": None, **expected}
+    assert got == {"since": None, "method": None, "config_hash": None, "ab_off_share": 0.1,
+                   **expected}
     assert set(got["by_method"]) == {"off", "ngram"}
     assert recent["turns"] == 4 and recent["calls"] == 2
 
@@ -321,12 +322,13 @@ async def test_overview_says_how_many_turns_each_figure_is_over(tmp_path):
     async with _client(app) as http:
         ov = (await http.get("/api/overview")).json()
     assert ov["samples"] == {"turn_end_to_first_audio_ms": 4, "request_to_first_token_ms": 5,
-                             "itl_turns": 4, "itl_gaps": 12, "mean_accepted_per_step": 2,
-                             "barge_in_to_silence_ms": 1}
+                             "itl_turns": 4, "itl_gaps": 12, "speculative_steps": 4,
+                             "accepted_per_step_turns": 2, "barge_in_to_silence_ms": 1}
     assert ov["by_method"]["off"]["samples"]["itl_turns"] == 2
     assert ov["by_method"]["ngram"]["samples"] == {
         "turn_end_to_first_audio_ms": 2, "request_to_first_token_ms": 3, "itl_turns": 2,
-        "itl_gaps": 6, "mean_accepted_per_step": 2, "barge_in_to_silence_ms": 0}
+        "itl_gaps": 6, "speculative_steps": 4, "accepted_per_step_turns": 2,
+        "barge_in_to_silence_ms": 0}
 
 
 async def test_a_call_is_listed_under_its_turns_methods_too(tmp_path):

@@ -118,3 +118,13 @@ async def test_backchannel_does_not_interrupt_but_a_real_barge_in_does(cfg, shar
     assert first.interrupted
     assert first.barge_in_to_silence_ms is not None
     assert first.barge_in_to_silence_ms < 700 + BARGE_IN_BOUND_MS  # it must last 0.7 s first
+
+
+def test_turn_with_a_discarded_preparation_has_every_stage_of_the_committed_reply(paused_call):
+    result, _ = paused_call
+    [turn] = result.turns
+    assert turn.preparation.discarded >= 1
+    stages = ("asr_final_ms", "prefill_ms", "first_token_ms", "first_clause_ms",
+              "tts_first_chunk_ms", "chunk_to_audio_ms")
+    missing = [s for s in stages if getattr(turn.breakdown, s) is None]
+    assert not missing, f"stages not measured: {missing} in {turn.breakdown}"

@@ -110,7 +110,7 @@ def test_markdown_numbers_equal_the_dashboard_overview(db, tmp_path):
     ):
         for q in qs:
             assert rows[f"{label} p{q} (ms)"] == [ms(s[clock][f"p{q}"]) for s in columns]
-    assert rows["mean accepted tokens / step"] == ["1.67", "–", "1.67"]
+    assert rows["accepted tokens / speculative step"] == ["1.67", "–", "1.67"]
     assert rows["interrupted share (turns)"] == ["16.7% (1)", "0.0% (0)", "33.3% (1)"]
     assert rows["VAD hangover (turn end → VAD stop)"] == ["200.0"] * 3
     assert ov["by_method"]["ngram"]["turn_end_to_first_audio_ms"]["p50"] == 500.0

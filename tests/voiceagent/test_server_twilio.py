@@ -58,6 +58,46 @@ async def test_barge_in_gets_a_clear_within_the_bound(tmp_path, models):
             await caller.hang_up()
 
 
+async def test_the_barge_in_clock_agrees_with_what_the_caller_measured(tmp_path, models):
+    """The caller times its barge-in from its first voiced chunk to the `clear`; the server from
+    the first voiced frame it received to the bot's silence (when it sends the `clear`)."""
+    async with serving(server_config(tmp_path), models) as (app, base):
+        async with TwilioCaller(ws_url(base)) as caller:
+            await caller.start()
+            said = await caller.say(speech("Tell me a long story about a brave little dragon."))
+            assert await caller.wait(lambda r: r.media_after(said.ended), REPLY_TIMEOUT_S)
+            await asyncio.sleep(0.5)  # the bot is mid-utterance
+            barge = await caller.say(speech("Stop, wait a moment please."))
+            assert await caller.wait(lambda r: any(t >= barge.started for t in r.clears), 10)
+            heard_ms = 1000 * (next(t for t in caller.received.clears if t >= barge.started)
+                               - barge.voiced)
+            await caller.hang_up()
+        server = app.state.server
+        await server.calls.wait_idle(10)
+        [record] = [r for r in next(iter(server.records.by_call.values())) if r.interrupted]
+    print(f"\nbarge-in -> clear: caller {heard_ms:.0f} ms, server "
+          f"{record.barge_in_to_silence_ms:.0f} ms (detection "
+          f"{record.barge_in_detection_ms:.0f}, stopping {record.interruption_to_silence_ms:.0f})")
+    assert abs(record.barge_in_to_silence_ms - heard_ms) < 100, (record, heard_ms)
+    assert record.barge_in_detection_ms + record.interruption_to_silence_ms == pytest.approx(
+        record.barge_in_to_silence_ms)
+
+
+async def test_a_caller_s_words_in_a_silent_line_send_no_clear(tmp_path, models):
+    """The first question (the bot silent) and a second one after the reply was heard: no audio
+    is playing or queued at Twilio either time, so nothing is cleared."""
+    async with serving(server_config(tmp_path), models) as (_app, base):
+        async with TwilioCaller(ws_url(base)) as caller:
+            await caller.start()
+            for question in (QUESTION, "And what about Spain?"):
+                said = await caller.say(speech(question))
+                assert await caller.reply(said.ended, REPLY_TIMEOUT_S) is not None
+                assert await caller.wait(lambda r: len(r.marks) >= 1, REPLY_TIMEOUT_S)
+                await asyncio.sleep(1.0)  # its audio has played and its mark was echoed
+            await caller.hang_up()
+    assert caller.received.clears == []
+
+
 async def _refused(base: str, **caller) -> tuple[int | None, str]:
     """A call the server closes at its start: the close code and reason."""
     async with TwilioCaller(ws_url(base), **caller) as refused:

@@ -117,7 +117,7 @@ def render(summary: dict[str, dict]) -> str:
     for mode, s in summary.items():
         c3, c1, itl, bi = (s["turn_end_to_first_audio_ms"], s["request_to_first_token_ms"],
                            s["itl_ms"], s["barge_in_to_silence_ms"])
-        acc = s["mean_accepted_per_step"]
+        acc = s["accepted_per_step"]
         lines.append(
             f"| {mode} | {s['turns']} | {s['interrupted']} | "
             f"{fmt(c3['p50'], 0)} / {fmt(c3['p95'], 0)} | {fmt(c1['p50'], 0)} | "

@@ -66,6 +66,14 @@ def fmt_accepted(x: float | None) -> str:
     return fmt(x, 2)
 
 
+def fmt_speedup(speedup: dict | None) -> str:
+    """`stats.itl_speedup` with the turns each side is over; the "all" column has none."""
+    if speedup is None:
+        return ""
+    return (f"{fmt(speedup['value'], 2, '×')} ({speedup['turns']} vs "
+            f"{speedup['off_turns']} off turns)")
+
+
 def fmt_share(s: dict) -> str:
     share = s["interrupted_share"]
     return MISSING if share is None else f"{share:.1%} ({s['interrupted']})"
@@ -124,8 +132,13 @@ OVERVIEW_ROWS: tuple[tuple[str, Callable[[dict], str]], ...] = (
     ("inter-token latency p50 (ms)", lambda s: fmt_ms(s["itl_ms"]["p50"])),
     ("inter-token latency p95 (ms)", lambda s: fmt_ms(s["itl_ms"]["p95"])),
     ("inter-token latency p99 (ms)", lambda s: fmt_ms(s["itl_ms"]["p99"])),
+    ("inter-token latency mean (ms)", lambda s: fmt_ms(s["itl_ms"]["mean"])),
+    ("ITL speed-up over off (mean ITL)", lambda s: fmt_speedup(s.get("itl_speedup"))),
     ("barge-in → silence p50 (ms)", lambda s: fmt_ms(s["barge_in_to_silence_ms"]["p50"])),
-    ("mean accepted tokens / step", lambda s: fmt_accepted(s["mean_accepted_per_step"])),
+    ("barge-in detection p50 (ms)", lambda s: fmt_ms(s["barge_in_detection_ms"]["p50"])),
+    ("barge-in stopping p50 (ms)", lambda s: fmt_ms(s["interruption_to_silence_ms"]["p50"])),
+    ("accepted tokens / speculative step", lambda s: fmt_accepted(s["accepted_per_step"])),
+    ("speculative steps", lambda s: str(s["samples"]["speculative_steps"])),
     ("interrupted share (turns)", fmt_share),
 )
 
@@ -392,8 +405,10 @@ def build_report(cfg: Config, window: Window, plots: dict[str, Path], out_dir: P
         return report
     report.sections += [
         Section("Overview", "All turns, and each speculation method side by side (the A/B "
-                "view). ITL percentiles pool every inter-token gap; the other clocks are one "
-                "value per turn.", table=overview_table(ov)),
+                "view). ITL percentiles and mean pool every inter-token gap, and the speed-up "
+                "is off's mean ITL over the method's (with the turns each side is over); "
+                "accepted tokens per step pools every speculative step; the other clocks are "
+                "one value per turn.", table=overview_table(ov)),
         Section("Median breakdown", "Median of each part of the turn, per method.",
                 table=breakdown_table(ov)),
     ]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from voiceagent.dashboard.stats import turn_speculation
 from voiceagent.pipeline.turn_record import TurnRecord
 
 # Latency buckets in seconds: voice turns live between 0.1 s and a few seconds.
@@ -42,6 +43,16 @@ class TurnMetrics:
         self.accepted = Counter(
             "voiceagent_accepted_tokens", "Draft tokens accepted, by position in the draft",
             ["method", "position"], registry=r)
+        self.speculative_steps = Counter(
+            "voiceagent_speculative_steps",
+            "Decode steps that verified a draft (accepted tokens per step: accepted_tokens "
+            "summed over positions / this)", ["method"], registry=r)
+        self.barge_in = Histogram(
+            "voiceagent_barge_in_seconds",
+            "A barge-in, from the caller's first voiced frame over the bot's audio, by stage: "
+            "detection (-> the interruption), stopping (the interruption -> silence; on Twilio "
+            "the clear sent), total (-> silence)", ["method", "stage"],
+            buckets=CLOCK_BUCKETS, registry=r)
         self.prepared = Counter(
             "voiceagent_prepared_replies",
             "Replies prepared before the turn was confirmed, by outcome (committed, discarded)",
@@ -90,6 +101,11 @@ class TurnMetrics:
         ):
             if ms is not None:
                 histogram.labels(method).observe(ms / 1000)
+        for stage, ms in (("detection", record.barge_in_detection_ms),
+                          ("stopping", record.interruption_to_silence_ms),
+                          ("total", record.barge_in_to_silence_ms)):
+            if ms is not None:
+                self.barge_in.labels(method, stage).observe(ms / 1000)
         prep = record.preparation
         if prep.committed:
             self.prepared.labels(method, "committed").inc()
@@ -102,6 +118,9 @@ class TurnMetrics:
                 self.tool_call_seconds.labels(call.name).observe(call.duration_ms / 1000)
         for ms in engine.get("itl_ms") or []:
             self.inter_token.labels(method).observe(ms / 1000)
+        steps = turn_speculation(engine)["speculative_steps"]
+        if steps:
+            self.speculative_steps.labels(method).inc(steps)
         for counter, counts in ((self.drafted, engine.get("drafted_by_pos") or []),
                                 (self.accepted, engine.get("accepted_by_pos") or [])):
             for position, n in enumerate(counts):

@@ -9,7 +9,8 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | route | returns |
 | --- | --- |
 | `GET /dashboard` | the page |
-| `GET /api/overview?since=` | `stats.overview` of the turns started at or after `since` (unix s) |
+| `GET /api/overview?since=` | `stats.overview` of the turns started at or after `since` (unix s),
+  and `ab_off_share` (the share of calls held out with speculation off, the speed-up's baseline) |
 | `GET /api/turns?since=&limit=` | `{"turns": [...]}`: the newest `limit` records, oldest first |
 | `GET /api/speculation?since=` | `stats.speculation` of those turns |
 | `GET /api/filters?since=` | `stats.facets`: the methods and config hashes there are to filter by |
@@ -136,7 +137,9 @@ async def _off_loop(request: Request, summary, since: float | None, limit: int |
 @router.get("/api/overview")
 async def api_overview(request: Request, since: float | None = Since,
                        method: str | None = Method, config_hash: str | None = ConfigHash):
+    # ab_off_share: where the speed-up's baseline (the turns with speculation off) comes from.
     return {"since": since, "method": method, "config_hash": config_hash,
+            "ab_off_share": _server(request).cfg.server.ab_off_share,
             **await _off_loop(request, overview, since, None, method, config_hash)}
 
 

@@ -2,8 +2,9 @@
 `voiceagent report`, so the three agree by construction.
 
 A turn comes in as a TurnRecord's dict (the store's JSON) and is read back through the typed
-TurnRecord. ITL percentiles pool every inter-token gap of the turns; the other clocks are one value
-per turn.
+TurnRecord. ITL percentiles and its mean pool every inter-token gap of the turns; accepted tokens
+per step pools every speculative step of the turns (a turn of ten steps weighs ten times a turn of
+one; the per-turn values' distribution is given apart); the other clocks are one value per turn.
 """
 
 from __future__ import annotations
@@ -34,9 +35,16 @@ def summarise(turns: list[dict]) -> dict:
     clock1 = values(lambda r: r.clocks.request_to_first_token_ms)
     itl = [x for r in records for x in (r.engine.get("itl_ms") or [])]
     barge = values(lambda r: r.barge_in_to_silence_ms)
-    accepted = values(lambda r: r.engine.get("mean_accepted_per_step"))
+    spec = [turn_speculation(r.engine) for r in records]
+    spec_steps = sum(s["speculative_steps"] for s in spec)
+    by_turn = [s["accepted_per_step"] for s in spec if s["accepted_per_step"] is not None]
     interrupted = sum(r.interrupted for r in records)
     itl_turns = sum(bool(r.engine.get("itl_ms")) for r in records)
+
+    def spread(get) -> dict:
+        xs = values(get)
+        return {"p50": percentile(xs, 50), "max": max(xs, default=None)}
+
     return {
         "turns": len(records),
         "calls": len({r.call_id for r in records}),
@@ -44,9 +52,15 @@ def summarise(turns: list[dict]) -> dict:
         "interrupted_share": interrupted / len(records) if records else None,
         "turn_end_to_first_audio_ms": _pcts(clock3),
         "request_to_first_token_ms": _pcts(clock1, (50, 95)),
-        "itl_ms": _pcts(itl),
-        "barge_in_to_silence_ms": {"p50": percentile(barge, 50), "max": max(barge, default=None)},
-        "mean_accepted_per_step": float(np.mean(accepted)) if accepted else None,
+        "itl_ms": {**_pcts(itl), "mean": float(np.mean(itl)) if itl else None},
+        # The caller's first voiced frame over the bot -> its silence; detection (-> the
+        # interruption) and stopping (-> silence) are its two parts.
+        "barge_in_to_silence_ms": spread(lambda r: r.barge_in_to_silence_ms),
+        "barge_in_detection_ms": spread(lambda r: r.barge_in_detection_ms),
+        "interruption_to_silence_ms": spread(lambda r: r.interruption_to_silence_ms),
+        "accepted_per_step": (sum(s["accepted"] for s in spec) / spec_steps
+                              if spec_steps else None),
+        "accepted_per_step_by_turn": _pcts(by_turn, (50, 95)),
         "breakdown_p50_ms": {k: percentile(values(lambda r, k=k: getattr(r.breakdown, k)), 50)
                              for k in BREAKDOWN},
         "preparation": preparation(records),
@@ -57,7 +71,8 @@ def summarise(turns: list[dict]) -> dict:
             "request_to_first_token_ms": len(clock1),
             "itl_turns": itl_turns,
             "itl_gaps": len(itl),
-            "mean_accepted_per_step": len(accepted),
+            "speculative_steps": spec_steps,
+            "accepted_per_step_turns": len(by_turn),
             "barge_in_to_silence_ms": len(barge),
         },
     }
@@ -140,10 +155,29 @@ def facets(turns: list[dict], config_hashes: dict[str, str | None]) -> dict:
     }
 
 
+def itl_speedup(off: dict | None, method: dict) -> dict:
+    """How much sooner a method's tokens come than with speculation off: off's mean inter-token
+    gap over the method's, each pooled over every gap of its turns (`summarise`). The mean, not
+    the p50: the tokens one speculative step accepts arrive together, so most of a fast method's
+    gaps are 0 and its p50 says nothing. With the turns and gaps each side is over."""
+    off = off or {}
+    off_mean, mean = (s.get("itl_ms", {}).get("mean") for s in (off, method))
+    return {
+        "value": off_mean / mean if off_mean is not None and mean else None,
+        "turns": method["samples"]["itl_turns"],
+        "gaps": method["samples"]["itl_gaps"],
+        "off_turns": off.get("samples", {}).get("itl_turns", 0),
+        "off_gaps": off.get("samples", {}).get("itl_gaps", 0),
+    }
+
+
 def overview(turns: list[dict]) -> dict:
-    """All turns together, and split by speculation method (the A/B view)."""
-    return {**summarise(turns),
-            "by_method": {m: summarise(ts) for m, ts in by_method(turns).items()}}
+    """All turns together, and split by speculation method (the A/B view), each method with its
+    ITL speed-up over the turns with speculation off."""
+    methods = {m: summarise(ts) for m, ts in by_method(turns).items()}
+    for summary in methods.values():
+        summary["itl_speedup"] = itl_speedup(methods.get("off"), summary)
+    return {**summarise(turns), "by_method": methods}
 
 
 def speculation(turns: list[dict]) -> dict:

@@ -43,6 +43,7 @@ from pipecat.frames.frames import (
     LLMFullResponseStartFrame,
     LLMTextFrame,
     MetricsFrame,
+    OutputAudioRawFrame,
     TranscriptionFrame,
     TTSAudioRawFrame,
     TTSStartedFrame,
@@ -57,7 +58,7 @@ from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 
 from llm_engine.stats import RequestStats
-from voiceagent.pipeline.frames import audio_seconds
+from voiceagent.pipeline.frames import UserSpeechOnsetFrame, audio_seconds
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
@@ -115,7 +116,13 @@ class _Turn:
     tts_started_ns: int | None = None
     tts_first_chunk_ns: int | None = None
     first_audio_ns: int | None = None
-    spoken: list[str] = field(default_factory=list)
+    spoken: list[str] = field(default_factory=list)  # clauses the transport played to the end
+    # Clauses the TTS synthesised and the transport has not played to the end, with their
+    # audio's length; the first is playing, `played_s` into it.
+    unplayed: list[tuple[str, float]] = field(default_factory=list)
+    clause_audio_s: float = 0.0  # synthesised for the clause whose text has not come yet
+    played_s: float = 0.0
+    tts_contexts: set[str] = field(default_factory=set)  # the TTS contexts of this reply
     engine: dict = field(default_factory=dict)
     interrupted_ns: int | None = None
     barge_in_ns: int | None = None  # the caller started speaking over this reply
@@ -131,6 +138,7 @@ class _Turn:
         self.latest_request_ns = self.reply_ns = None
         self.tts_started_ns = self.tts_first_chunk_ns = None
         self.llm_text, self.engine, self.audio_s = [], {}, 0.0
+        self.unplayed, self.clause_audio_s, self.tts_contexts = [], 0.0, set()
         self.requests = self.reported = 0
         self.tool_calls = {}
 
@@ -157,10 +165,34 @@ class _Turn:
         )
 
     @property
+    def heard_text(self) -> str:
+        """What the caller heard: the clauses played to the end, and of the clause cut off by a
+        barge-in, its words in proportion to the share of its audio that was played."""
+        words = [w.strip() for w in self.spoken if w.strip()]
+        if self.interrupted_ns is not None and self.unplayed:
+            text, audio_s = self.unplayed[0]
+            share = min(1.0, self.played_s / audio_s) if audio_s > 0 else 0.0
+            words.append(heard_part(text, share))
+        return " ".join(w for w in words if w)
+
+    @property
     def turn_end_ns(self) -> int | None:
         if self.vad_stop_ns is None:
             return None
         return self.vad_stop_ns - int(self.hangover_s * 1e9)
+
+
+def heard_part(text: str, share: float) -> str:
+    """The words of `text` whose end lies within the first `share` of it, by characters: speech
+    runs at a near-constant rate of characters, so a clause's audio is cut at the same share."""
+    cut = share * len(text)
+    heard, end = [], 0
+    for word in text.split():
+        end = text.index(word, end) + len(word)
+        if end > cut:
+            break
+        heard.append(word)
+    return " ".join(heard)
 
 
 def _ms(a: int | None, b: int | None) -> float | None:
@@ -220,11 +252,11 @@ class ClocksObserver(BaseObserver):
         self._listening: _Turn | None = None  # the user is speaking; no request yet
         self._answering: _Turn | None = None  # the request went out; the bot replies
         self._preparing: _Turn | None = None  # being heard, with a prepared reply in flight
-        # LLMService and/or TTSService: still pushing a withdrawn reply's frames, until their next
-        # reply starts.
-        self._stale: set[type] = set()
+        self._llm_stale = False  # the LLM still pushes a withdrawn reply's frames
         self._count = 0
         self._user_speaking = False
+        self._onset_ns: int | None = None  # the latest UserSpeechOnsetFrame's, until its start
+        self._withdrawn_tts: set[str] = set()  # TTS contexts of withdrawn replies
 
     @property
     def idle(self) -> bool:
@@ -240,21 +272,29 @@ class ClocksObserver(BaseObserver):
                 else:
                     self._request(ts, frame.context.get_messages())
             return
-        if isinstance(frame, TTSTextFrame):  # spoken words: when the transport plays them
-            if isinstance(src, BaseOutputTransport) and self._answering is not None:
-                self._answering.spoken.append(frame.text)
+        if isinstance(src, BaseOutputTransport) and isinstance(frame, (TTSTextFrame,
+                                                                      OutputAudioRawFrame)):
+            self._played(frame)  # what the transport played (audio it chunked anew, or not)
             return
         if not data.first_push:
             return
-        if isinstance(frame, VADUserStartedSpeakingFrame):
+        if isinstance(frame, UserSpeechOnsetFrame):
+            self._onset_ns = frame.onset_ns
+        elif isinstance(frame, VADUserStartedSpeakingFrame):
             self._user_speaking = True
+            # The speech began at its first voiced frame; without one, start_secs before the VAD
+            # could confirm it.
+            onset, self._onset_ns = self._onset_ns, None
+            began = onset if onset is not None else ts - int(frame.start_secs * 1e9)
             reply = self._answering
             if reply is not None and not reply.complete and reply.interrupted_ns is None:
                 # The latest speech over the reply (a backchannel before it did not take the
-                # turn); the caller started start_secs before the VAD could confirm it.
-                reply.barge_in_ns = ts - int(frame.start_secs * 1e9)
+                # turn).
+                reply.barge_in_ns = began
             if self._listening is None:
-                self._listening = _Turn(started_ns=ts, started_wall=time.time())
+                start = ts if onset is None else onset
+                self._listening = _Turn(started_ns=start,
+                                        started_wall=time.time() - (ts - start) / 1e9)
         elif isinstance(frame, VADUserStoppedSpeakingFrame):
             self._user_speaking = False
             if self._listening is None:
@@ -298,17 +338,21 @@ class ClocksObserver(BaseObserver):
         self._preparing = turn
 
     def _from_withdrawn(self, frame, src) -> bool:
-        """Whether a frame of the LLM or the TTS belongs to a withdrawn reply: they pass the
-        withdrawal on after pushing what they had, and the next reply starts with a Start."""
-        kind = LLMService if isinstance(src, LLMService) else TTSService
+        """Whether a frame of the LLM or the TTS belongs to a withdrawn reply. The LLM passes the
+        withdrawal on after pushing what it had, and its next reply starts with a Start; the
+        TTS's frames carry their context, and a new reply's may come before its Start (which
+        waits behind the audio contexts queued before it)."""
+        if isinstance(src, TTSService):
+            return getattr(frame, "context_id", None) in self._withdrawn_tts
         if isinstance(frame, LLMFullResponseStartFrame):
-            self._stale.discard(kind)
-        return kind in self._stale
+            self._llm_stale = False
+        return self._llm_stale
 
     def _discard(self) -> None:
         turn, self._preparing = self._preparing, None
         if turn is not None:
-            self._stale = {LLMService, TTSService}
+            self._llm_stale = True
+            self._withdrawn_tts |= turn.tts_contexts
             turn.preparation.discarded += 1
             # Its stats are in when it had finished generating before the withdrawal.
             turn.preparation.discarded_tokens += turn.engine.get("generated_tokens", 0)
@@ -365,7 +409,21 @@ class ClocksObserver(BaseObserver):
         elif frame.properties is None or frame.properties.is_final:  # not a progress update
             run.finish(ts, frame)
 
+    def _played(self, frame) -> None:
+        """The output transport played a clause to its end (its text), or some audio."""
+        turn = self._answering
+        if turn is None:
+            return
+        if isinstance(frame, TTSTextFrame):
+            turn.spoken.append(frame.text)
+            turn.unplayed[:1] = []
+            turn.played_s = 0.0
+        else:
+            turn.played_s += audio_seconds(frame)
+
     def _reply_frame(self, turn: _Turn, frame, src, ts: int) -> None:
+        if isinstance(src, TTSService) and getattr(frame, "context_id", None):
+            turn.tts_contexts.add(frame.context_id)
         if turn.tool_calls and turn.first_token_ns is None and self._filler(turn, frame, src, ts):
             return
         if isinstance(frame, LLMTextFrame) and isinstance(src, LLMService):
@@ -376,6 +434,11 @@ class ClocksObserver(BaseObserver):
         elif isinstance(frame, TTSAudioRawFrame) and isinstance(src, TTSService):
             turn.tts_first_chunk_ns = turn.tts_first_chunk_ns or ts
             turn.audio_s += audio_seconds(frame)
+            turn.clause_audio_s += audio_seconds(frame)
+        elif isinstance(frame, TTSTextFrame) and isinstance(src, TTSService):
+            # A clause's text follows its audio.
+            turn.unplayed.append((frame.text, turn.clause_audio_s))
+            turn.clause_audio_s = 0.0
         elif isinstance(frame, BotStartedSpeakingFrame) and isinstance(src, BaseOutputTransport):
             turn.speaking = True
             turn.first_audio_ns = turn.first_audio_ns or ts
@@ -449,7 +512,7 @@ class ClocksObserver(BaseObserver):
             turn=self._count,
             started_at=turn.started_wall,
             user_text=" ".join(t for t in turn.user_text if t),
-            bot_text=" ".join(w.strip() for w in turn.spoken if w.strip()),
+            bot_text=turn.heard_text,
             llm_text="".join(turn.llm_text),
             interrupted=turn.interrupted_ns is not None,
             clocks=Clocks(
@@ -474,6 +537,9 @@ class ClocksObserver(BaseObserver):
             engine=engine,
             barge_in_to_silence_ms=(
                 _ms(turn.barge_in_ns, turn.audio_stopped_ns) if turn.interrupted_ns else None
+            ),
+            barge_in_detection_ms=(
+                _ms(turn.barge_in_ns, turn.interrupted_ns) if turn.audio_stopped_ns else None
             ),
             interruption_to_silence_ms=_ms(turn.interrupted_ns, turn.audio_stopped_ns),
             preparation=preparation,

@@ -24,6 +24,17 @@ class UserSpeechPausedFrame(SystemFrame):
 
 
 @dataclass
+class UserSpeechOnsetFrame(SystemFrame):
+    """Pushed just before VADUserStartedSpeakingFrame: when the caller's speech began, on the
+    pipeline clock (ns): the first voiced VAD window of this speech, dated by its position in the
+    caller's real-time audio stream (PausingVADProcessor). The VAD confirms speech only after
+    `start_secs` of it and a smoothed volume, and a busy pipeline reaches its audio late, so its
+    start frame comes hundreds of ms after the first word; a barge-in is timed from here."""
+
+    onset_ns: int
+
+
+@dataclass
 class UserSpeechResumedFrame(SystemFrame):
     """Speech again after a UserSpeechPausedFrame, before the VAD reported a stop."""
 

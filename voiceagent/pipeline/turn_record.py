@@ -17,12 +17,15 @@ class Percentiles:
     p50: float | None = None
     p95: float | None = None
     p99: float | None = None
+    # The mean: for inter-token gaps, the decode time per token. Tokens a speculative step
+    # accepts together arrive together (gaps of 0), so its p50 can be 0 while its mean is not.
+    mean: float | None = None
 
     @classmethod
     def of(cls, values: list[float]) -> Percentiles:
         if not values:
             return cls()
-        return cls(*(percentile(values, q) for q in (50, 95, 99)))
+        return cls(*(percentile(values, q) for q in (50, 95, 99)), sum(values) / len(values))
 
 
 @dataclass
@@ -106,9 +109,12 @@ class TurnRecord:
     # request_id and whether it was interrupted; {} when no request answered. A turn of several
     # requests (a tool call, then the reply) has them merged (clocks.merged_stats).
     engine: dict = field(default_factory=dict)
-    # Barge-in: the caller started speaking over the reply (VAD start minus its start_secs)
-    # -> the bot's audio stopped; and the part after pipecat's InterruptionFrame.
+    # Barge-in: the caller started speaking over the reply (the first voiced frame of their
+    # speech) -> the bot's audio stopped (on Twilio, the `clear` sent), in two parts: detection
+    # (-> pipecat's InterruptionFrame: the VAD's start and the interruption strategy) and
+    # stopping (the InterruptionFrame -> silence).
     barge_in_to_silence_ms: float | None = None
+    barge_in_detection_ms: float | None = None
     interruption_to_silence_ms: float | None = None
     preparation: Preparation = field(default_factory=Preparation)
     tool_calls: list[ToolCall] = field(default_factory=list)  # in the order they started

@@ -16,13 +16,17 @@ import copy
 
 from pipecat.audio.vad.silero import SileroOnnxModel, SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
-from pipecat.frames.frames import Frame, InputAudioRawFrame
+from pipecat.frames.frames import Frame, InputAudioRawFrame, VADUserStartedSpeakingFrame
 from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameDirection
 
 from audio.config import VADConfig
 from voiceagent.models import resolve
-from voiceagent.pipeline.frames import UserSpeechPausedFrame, UserSpeechResumedFrame
+from voiceagent.pipeline.frames import (
+    UserSpeechOnsetFrame,
+    UserSpeechPausedFrame,
+    UserSpeechResumedFrame,
+)
 
 
 def load_vad_model(cfg: VADConfig) -> SileroOnnxModel:
@@ -43,6 +47,21 @@ class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
         self._model.reset_states()
         self._windows_since_reset = 0
         self._low_confidence_windows = 0
+        self._analysed_bytes = 0
+        # The byte offset, in the audio analysed so far, of the first voiced window of the speech
+        # now starting (None while quiet): voiced = Silero's confidence alone, before the
+        # smoothed volume that makes the VAD's start lag the first word.
+        self.onset_byte: int | None = None
+
+    def voice_confidence(self, buffer) -> float:
+        confidence = super().voice_confidence(buffer)
+        if self._vad_state in (VADState.QUIET, VADState.STARTING):
+            if confidence < self._params.confidence:
+                self.onset_byte = None
+            elif self.onset_byte is None:
+                self.onset_byte = self._analysed_bytes
+        self._analysed_bytes += len(buffer)
+        return confidence
 
     @property
     def state(self) -> VADState:
@@ -69,17 +88,40 @@ def make_vad(cfg: VADConfig, model: SileroOnnxModel,
 class PausingVADProcessor(VADProcessor):
     """pipecat's VADProcessor, plus the caller's pauses inside a turn.
 
-    Frames out, besides VADProcessor's: UserSpeechPausedFrame at the first silent window after
-    speech (the VAD is then counting down its `stop_secs`), UserSpeechResumedFrame when speech
-    comes back before the VAD stop. Both are broadcast, as the VAD frames are.
+    Frames out, besides VADProcessor's: UserSpeechOnsetFrame just before each
+    VADUserStartedSpeakingFrame, UserSpeechPausedFrame at the first silent window after speech
+    (the VAD is then counting down its `stop_secs`), UserSpeechResumedFrame when speech comes back
+    before the VAD stop. All are broadcast, as the VAD frames are.
     """
 
     def __init__(self, *, vad_analyzer: RegistrySileroVADAnalyzer, **kwargs):
         super().__init__(vad_analyzer=vad_analyzer, **kwargs)
         self._analyzer = vad_analyzer
         self._state = VADState.QUIET
+        self._received_bytes = 0
+        self._bytes_per_s = 0
+        # The pipeline clock at the stream's position 0: the least, over the call, of a frame's
+        # arrival minus its position in the stream. Caller audio comes as a continuous real-time
+        # stream (Twilio media, WebRTC's track, a WAV played in real time), so the frame that
+        # came soonest after it was spoken dates every position; the others waited in queues
+        # while the cores were busy, by hundreds of ms under load.
+        self._stream_zero_ns: int | None = None
+
+    async def broadcast_frame(self, frame_cls: type[Frame], **kwargs):
+        onset = self._analyzer.onset_byte
+        if frame_cls is VADUserStartedSpeakingFrame and onset is not None and self._bytes_per_s:
+            onset_ns = self._stream_zero_ns + int(onset * 1e9 / self._bytes_per_s)
+            await super().broadcast_frame(UserSpeechOnsetFrame, onset_ns=onset_ns)
+        await super().broadcast_frame(frame_cls, **kwargs)
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
+        if isinstance(frame, InputAudioRawFrame):
+            self._bytes_per_s = 2 * frame.sample_rate * frame.num_channels
+            position_ns = int(self._received_bytes * 1e9 / self._bytes_per_s)
+            zero = self.get_clock().get_time() - position_ns
+            if self._stream_zero_ns is None or zero < self._stream_zero_ns:
+                self._stream_zero_ns = zero
+            self._received_bytes += len(frame.audio)
         await super().process_frame(frame, direction)
         if not isinstance(frame, InputAudioRawFrame):
             return

@@ -27,6 +27,7 @@ class ActiveCall:
     call_id: str
     kind: str  # "webrtc" | "twilio"
     call_sid: str | None = None  # Twilio's CallSid: what the operator finds the call by there
+    method: str | None = None  # its speculation method (ServerState.call_method)
     started: float = field(default_factory=time.time)
     task: PipelineWorker | None = None
     runner: asyncio.Task | None = None

@@ -15,6 +15,7 @@ from voiceagent.dashboard.store import CallInfo, TurnStore, open_store
 from voiceagent.llm_setup import resident_bytes
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.records import TurnRecords
+from voiceagent.server.ab import OffHoldout
 from voiceagent.server.calls import ActiveCall, CallRegistry
 
 
@@ -35,6 +36,11 @@ class ServerState:
     # by client address
     stopped: bool = False  # lifespan shutdown has run
     api_handles: set = field(default_factory=set)  # /v1 requests in flight
+    holdout: OffHoldout | None = None  # the A/B baseline (server.ab_off_share)
+
+    def __post_init__(self) -> None:
+        if self.holdout is None:
+            self.holdout = OffHoldout(self.cfg.server.ab_off_share)
 
     @property
     def ready(self) -> bool:
@@ -48,6 +54,16 @@ class ServerState:
             return None
         return engine.worker_error or "LLM engine worker stopped"
 
+    def call_method(self) -> str:
+        """The speculation method of the next call: the configured one, or off for a call held
+        out as the A/B baseline (the in-process engine only: a remote server speculates, or
+        not, on its own)."""
+        method = self.cfg.engine.speculation.method
+        in_process = self.shared is not None and self.shared.engine is not None
+        if in_process and method != "off" and self.holdout.next_is_off():
+            return "off"
+        return method
+
     def on_call(self, event: str, call: ActiveCall) -> None:
         """CallRegistry listener: calls into the store and the live events; failures counted."""
         if event == "failed":
@@ -56,6 +72,8 @@ class ServerState:
         ended_at = time.time() if event == "ended" else None
         llm = self.shared.llm if self.shared else None
         method = self.shared.chat.name if self.shared else self.cfg.engine.speculation.method
+        if self.shared is not None and self.shared.engine is not None and call.method:
+            method = call.method  # the in-process engine runs the method chosen for the call
         info = CallInfo(call.call_id, call.kind, call.started, method, config_hash(self.cfg),
                         llm.card.card_hash if llm else None, ended_at, call.call_sid)
         if event == "started":

@@ -2,7 +2,8 @@
 
 Inbound messages are checked by MediaStreamSocket; pipecat's TwilioFrameSerializer does the
 μ-law 8 kHz codec, sends the bot's audio as `media` and a `clear` on barge-in. We add a `mark`
-after each bot utterance, so Twilio's echo tells us what the caller actually heard.
+after each bot utterance, so Twilio's echo tells us what the caller actually heard, and send the
+`clear` only while the bot's audio is playing or queued at Twilio (LineSerializer).
 
 Without Twilio credentials nothing calls Twilio's REST API: the call ends by closing the socket,
 after which Twilio runs the next TwiML verb (none: it hangs up).
@@ -11,10 +12,17 @@ after which Twilio runs the next TwiML verb (none: it hangs up).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket
 from loguru import logger
-from pipecat.frames.frames import Frame, OutputTransportMessageFrame, TTSStoppedFrame
+from pipecat.frames.frames import (
+    AudioRawFrame,
+    Frame,
+    InterruptionFrame,
+    OutputTransportMessageFrame,
+    TTSStoppedFrame,
+)
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.serializers.twilio import TwilioFrameSerializer
 from pipecat.transports.websocket.fastapi import (
@@ -33,6 +41,43 @@ PIPELINE_IN_RATE = 16000  # VAD and Whisper run at 16 kHz; the serializer upsamp
 TWILIO_RATE = 8000  # TTS resamples straight to the line rate
 
 router = APIRouter()
+
+
+class LineSerializer(TwilioFrameSerializer):
+    """pipecat's Twilio serializer, but a barge-in's `clear` goes out only while the bot's audio is
+    playing or queued at Twilio: media sent after our last `mark`, or a mark Twilio has not yet
+    echoed (it echoes one when the audio before it has played, and at once those a `clear`
+    drops). An interruption in a silent line (the caller's first words, or words while the
+    reply is still being generated) sends nothing."""
+
+    def __init__(self, *args, marks_heard: Callable[[], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._marks_heard = marks_heard  # marks Twilio has echoed so far
+        self._marks_sent = 0
+        self._marks_settled = 0  # marks sent before our last `clear`: no longer playing
+        self._media_unmarked = False
+        self.clears = 0
+
+    @property
+    def playing(self) -> bool:
+        heard = max(self._marks_heard(), self._marks_settled)
+        return self._media_unmarked or heard < self._marks_sent
+
+    async def serialize(self, frame: Frame) -> str | bytes | None:
+        if isinstance(frame, InterruptionFrame):
+            if not self.playing:
+                return None
+            self.clears += 1
+            self._marks_settled, self._media_unmarked = self._marks_sent, False
+            return await super().serialize(frame)
+        payload = await super().serialize(frame)
+        if payload and isinstance(frame, AudioRawFrame):
+            self._media_unmarked = True
+        elif payload and isinstance(frame, OutputTransportMessageFrame) and (
+                frame.message.get("event") == "mark"):
+            self._marks_sent += 1
+            self._media_unmarked = False
+        return payload
 
 
 class UtteranceMarks(FrameProcessor):
@@ -103,6 +148,7 @@ async def twilio_stream(ws: WebSocket) -> None:
         return
     try:
         call = server.calls.reserve("twilio", start.call_sid)
+        call.method = server.call_method()
     except ServerBusy as exc:
         await sock.close(1013, str(exc))
         return
@@ -120,10 +166,11 @@ def needs_twilio_auth(limits) -> bool:
 
 
 async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamStart, call):
-    serializer = TwilioFrameSerializer(
+    serializer = LineSerializer(
         start.stream_sid,
         start.call_sid,
         params=TwilioFrameSerializer.InputParams(auto_hang_up=False, sample_rate=PIPELINE_IN_RATE),
+        marks_heard=lambda: sock.marks_played,
     )
     transport = FastAPIWebsocketTransport(
         sock,  # the checked socket stands in for the WebSocket
@@ -150,7 +197,7 @@ async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamS
                             lambda reason: server.calls.spawn(end(1000, reason)))
     pipeline = build_call(
         server.cfg, server.shared, transport, server.records.add, call_id=call.call_id,
-        method=server.cfg.engine.speculation.method, after_input=[watchdog],
+        method=call.method, after_input=[watchdog],
         before_output=[marks],
     )
     @transport.event_handler("on_client_disconnected")
@@ -161,5 +208,5 @@ async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamS
     await server.calls.run(call, pipeline.task, pipeline.clocks.flush)
     logger.info(
         f"twilio call {call.call_id}: {marks.sent} utterance(s) sent, "
-        f"{sock.marks_played} heard to the end"
+        f"{sock.marks_played} heard to the end, {serializer.clears} cleared by a barge-in"
     )

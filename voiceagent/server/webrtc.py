@@ -14,11 +14,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
+from aiortc.mediastreams import MediaStreamError
 from fastapi import APIRouter, HTTPException, Request
 from loguru import logger
 from pipecat.processors.frameworks.rtvi import RTVIServerMessageFrame
 from pipecat.transports.base_transport import TransportParams
-from pipecat.transports.smallwebrtc.connection import IceServer, SmallWebRTCConnection
+from pipecat.transports.smallwebrtc.connection import (
+    AUDIO_TRANSCEIVER_INDEX,
+    IceServer,
+    SmallWebRTCConnection,
+    SmallWebRTCTrack,
+)
 from pipecat.transports.smallwebrtc.request_handler import (
     IceCandidate,
     SmallWebRTCPatchRequest,
@@ -26,6 +32,7 @@ from pipecat.transports.smallwebrtc.request_handler import (
 )
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 
+from voiceagent.dashboard.stats import turn_speculation
 from voiceagent.pipeline.builder import build_call
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.watchdog import CallWatchdog
@@ -96,6 +103,7 @@ async def offer(request: Request):
                             headers={"Retry-After": "5"})
     try:
         call = server.calls.reserve("webrtc")
+        call.method = server.call_method()
     except ServerBusy as exc:
         raise HTTPException(503, str(exc), headers={"Retry-After": "10"}) from None
 
@@ -165,7 +173,34 @@ async def _abandon(server: ServerState, call: ActiveCall, connections: list) -> 
     server.calls.release(call)
 
 
+class CallerAudioTrack(SmallWebRTCTrack):
+    """The caller's audio. When the peer hangs up (or vanishes), its DTLS transport closes and
+    ends the track; pipecat's reader would report the next read as a media stream error. Here
+    that read waits instead, until the call ends on the connection's close, which follows at once
+    (pipecat's `on_client_disconnected`). A track that ends while its connection is up still
+    raises, and is reported."""
+
+    async def recv(self):
+        try:
+            return await super().recv()
+        except MediaStreamError:
+            if self._receiver.transport.state not in ("closed", "failed"):
+                raise
+            logger.debug("webrtc: the caller's audio ended with the connection")
+            await asyncio.Future()  # cancelled with the call's pipeline
+
+
+def _caller_audio(connection: SmallWebRTCConnection) -> None:
+    """Put a CallerAudioTrack where pipecat looks for the caller's audio: its connection builds
+    one track wrapper per transceiver when first asked (`audio_input_track`) and keeps it."""
+    transceivers = connection.pc.getTransceivers()
+    if transceivers and transceivers[AUDIO_TRANSCEIVER_INDEX].receiver:
+        connection._track_map[AUDIO_TRANSCEIVER_INDEX] = CallerAudioTrack(
+            transceivers[AUDIO_TRANSCEIVER_INDEX].receiver)
+
+
 def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCConnection) -> None:
+    _caller_audio(connection)
     transport = SmallWebRTCTransport(
         connection,
         TransportParams(audio_in_enabled=True, audio_out_enabled=True,
@@ -191,7 +226,7 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
     limits = server.cfg.server
     pipeline = build_call(
         server.cfg, server.shared, transport, on_turn, call_id=call.call_id,
-        method=server.cfg.engine.speculation.method,
+        method=call.method,
         after_input=[CallWatchdog(limits.idle_timeout_s, limits.max_call_s, on_end)], rtvi=True,
     )
 
@@ -206,9 +241,10 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
 
 def turn_message(record: TurnRecord) -> dict:
     """The RTVI server-message the call page shows after each turn: its words, clocks, the
-    speculation that answered it (None where the engine did not measure a figure, e.g. a remote
-    LLM's) and its tool calls."""
+    speculation that answered it (the dashboard's `turn_speculation`; None where the engine did
+    not measure a figure, e.g. a remote LLM's), the barge-in's parts, and its tool calls."""
     engine = record.engine
+    spec = turn_speculation(engine) if engine else {}
     return {
         "type": "turn",
         "turn": record.turn,
@@ -217,10 +253,11 @@ def turn_message(record: TurnRecord) -> dict:
         "interrupted": record.interrupted,
         "clocks": asdict(record.clocks),
         "barge_in_to_silence_ms": record.barge_in_to_silence_ms,
+        "barge_in_detection_ms": record.barge_in_detection_ms,
         "speculation": {
             "method": engine.get("method"),
-            "mean_accepted_per_step": engine.get("mean_accepted_per_step"),
-            "acceptance_rate": engine.get("acceptance_rate"),
+            "accepted_per_step": spec.get("accepted_per_step"),
+            "acceptance_rate": spec.get("acceptance_rate"),
             "tokens_per_s": engine.get("tokens_per_s"),
             "generated_tokens": engine.get("generated_tokens"),
         },

@@ -115,10 +115,10 @@ def print_turns(result: CallResult) -> None:
         c = t.clocks
         print(f"turn {t.turn}{' (interrupted)' if t.interrupted else ''}")
         print(f"  caller: {t.user_text}")
-        print(f"  bot:    {t.bot_text or t.llm_text}")
+        print(f"  bot:    {t.bot_text if t.interrupted else t.bot_text or t.llm_text}")
         print(
             f"  request->first token {_fmt(c.request_to_first_token_ms)}, "
-            f"ITL p50 {_fmt(c.itl_ms.p50)} p95 {_fmt(c.itl_ms.p95)}, "
+            f"ITL mean {_fmt(c.itl_ms.mean)} p95 {_fmt(c.itl_ms.p95)}, "
             f"turn end->first audio {_fmt(c.turn_end_to_first_audio_ms)}"
         )
         prep = t.preparation
@@ -128,7 +128,9 @@ def print_turns(result: CallResult) -> None:
                   f"{lead}; {prep.discarded} discarded ({prep.discarded_tokens} tokens, "
                   f"{_fmt(prep.discarded_audio_ms)} of audio)")
         if t.barge_in_to_silence_ms is not None:
-            print(f"  barge-in -> bot silent {_fmt(t.barge_in_to_silence_ms)}")
+            print(f"  barge-in -> bot silent {_fmt(t.barge_in_to_silence_ms)} (detection "
+                  f"{_fmt(t.barge_in_detection_ms)}, stopping "
+                  f"{_fmt(t.interruption_to_silence_ms)})")
     print(f"turn records: {result.jsonl}")
 
 

@@ -1,8 +1,10 @@
 """A simulated Twilio Media Streams peer: plays a phone caller against `WS /telephony/twilio`.
 
 Like Twilio it sends `connected` and `start`, then 20 ms of μ-law 8 kHz `media` every 20 ms for
-as long as the call lasts (silence between utterances), a `dtmf` for each key pressed, echoes
-each `mark` it receives, and on hang-up sends `stop`. Everything it receives is time-stamped on
+as long as the call lasts (silence between utterances), a `dtmf` for each key pressed, and on
+hang-up sends `stop`. It plays the bot's media in real time, as a phone would: each `mark` is
+echoed once the audio received before it has played, and a `clear` drops what is queued (its
+marks are echoed at once). Everything it receives is time-stamped on
 its own monotonic clock, so round trips (the caller stops talking -> the first bot audio
 arrives) are measured end to end. Used by the server tests and `voiceagent bench serve`, and
 from a shell: `python -m voiceagent.sim.twilio_caller ws://127.0.0.1:7860/telephony/twilio
@@ -31,12 +33,14 @@ from audio.wav import AudioFormatError, read_wav, resample, write_wav
 RATE = 8000
 CHUNK = RATE // 50  # 20 ms
 SILENCE = audioop.lin2ulaw(bytes(2 * CHUNK), 2)
+VOICED_RMS = 328  # -40 dBFS: a chunk louder than this carries speech (synthesised speech)
 
 
 @dataclass
 class Utterance:
     started: float  # monotonic time its first chunk was sent
     ended: float  # ... its last chunk
+    voiced: float | None = None  # ... its first chunk louder than VOICED_RMS (None: none was)
 
 
 @dataclass
@@ -72,6 +76,8 @@ class TwilioCaller:
         self._outbox: asyncio.Queue[tuple[bytes, list[asyncio.Future]]] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
+        self._played_until = 0.0  # monotonic time the bot's audio received so far ends playing
+        self._unplayed: dict[str, asyncio.Task] = {}  # marks to echo when their audio has played
         self.closed = asyncio.Event()
 
     async def __aenter__(self) -> TwilioCaller:
@@ -81,7 +87,7 @@ class TwilioCaller:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._unplayed.values()]:
             task.cancel()
         await self._ws.close()
 
@@ -116,14 +122,17 @@ class TwilioCaller:
         """Queue `audio` (int16 mono) into the stream; return once its last chunk was sent."""
         pcm = resample(np.asarray(audio, np.int16), rate, RATE)
         pcm = np.pad(pcm, (0, -len(pcm) % CHUNK))
-        chunks = [audioop.lin2ulaw(pcm[i:i + CHUNK].tobytes(), 2)
-                  for i in range(0, len(pcm), CHUNK)]
+        pieces = [pcm[i:i + CHUNK] for i in range(0, len(pcm), CHUNK)]
+        loud = next((i for i, p in enumerate(pieces)
+                     if np.sqrt(np.mean(p.astype(np.float64) ** 2)) > VOICED_RMS), None)
         loop = asyncio.get_running_loop()
-        first, last = loop.create_future(), loop.create_future()
-        for i, chunk in enumerate(chunks):
-            marks = [f for f, at in ((first, 0), (last, len(chunks) - 1)) if at == i]
-            await self._outbox.put((chunk, marks))
-        return Utterance(await self._sent(first), await self._sent(last))
+        first, voiced, last = (loop.create_future() for _ in range(3))
+        for i, piece in enumerate(pieces):
+            marks = [f for f, at in ((first, 0), (voiced, loud), (last, len(pieces) - 1))
+                     if at == i]
+            await self._outbox.put((audioop.lin2ulaw(piece.tobytes(), 2), marks))
+        return Utterance(await self._sent(first), await self._sent(last),
+                         await self._sent(voiced) if loud is not None else None)
 
     async def _sent(self, chunk: asyncio.Future) -> float:
         """When a queued chunk went out; if the call closes first (hung up, or refused by the
@@ -194,6 +203,13 @@ class TwilioCaller:
             await asyncio.sleep(0.05)
         return first
 
+    async def _echo_mark(self, name: str, after_s: float) -> None:
+        """Echo our mark `name` once the audio before it has played (`after_s` from now)."""
+        await asyncio.sleep(max(0.0, after_s))
+        self._unplayed.pop(name, None)
+        await self.send({"event": "mark", "sequenceNumber": self._next_seq(),
+                         "streamSid": self.stream_sid, "mark": {"name": name}})
+
     async def _read(self) -> None:
         try:
             async for data in self._ws:
@@ -205,13 +221,18 @@ class TwilioCaller:
                     self.received.media.append((now, len(payload)))
                     if self.keep_audio:
                         self.received.audio.append((now, payload))
+                    self._played_until = max(now, self._played_until) + len(payload) / RATE
                 elif event == "mark":
                     name = message["mark"]["name"]
                     self.received.marks.append((now, name))
-                    await self.send({"event": "mark", "sequenceNumber": self._next_seq(),
-                                     "streamSid": self.stream_sid, "mark": {"name": name}})
+                    self._unplayed[name] = asyncio.create_task(
+                        self._echo_mark(name, self._played_until - now))
                 elif event == "clear":
                     self.received.clears.append(now)
+                    self._played_until = now
+                    for name, echo in list(self._unplayed.items()):
+                        echo.cancel()
+                        await self._echo_mark(name, 0.0)
                 else:
                     self.received.other.append(message)
         except websockets.ConnectionClosed:

@@ -42,10 +42,16 @@ const OVERVIEW = [
     ["turn_end_to_first_audio_ms.p99", "p99", "ms"]], "samples.turn_end_to_first_audio_ms"],
   ["Request → first token", [["request_to_first_token_ms.p50", "p50", "ms"],
     ["request_to_first_token_ms.p95", "p95", "ms"]], "samples.request_to_first_token_ms"],
-  ["Inter-token latency", [["itl_ms.p50", "p50", "ms"], ["itl_ms.p95", "p95", "ms"],
-    ["itl_ms.p99", "p99", "ms"]], "samples.itl_turns"],
-  ["Speculation", [["mean_accepted_per_step", "accepted tokens / step", "x2"]],
-    "samples.mean_accepted_per_step"],
+  ["Inter-token latency", [["itl_ms.mean", "mean", "ms"], ["itl_ms.p50", "p50", "ms"],
+    ["itl_ms.p95", "p95", "ms"], ["itl_ms.p99", "p99", "ms"]], "samples.itl_turns"],
+  ["Speculation", [["accepted_per_step", "accepted tokens / step", "x2"],
+    ["accepted_per_step_by_turn.p50", "per-turn p50", "x2"],
+    ["samples.speculative_steps", "speculative steps", "count"]],
+    "samples.accepted_per_step_turns"],
+  ["Barge-in → bot silent", [["barge_in_to_silence_ms.p50", "p50", "ms"],
+    ["barge_in_detection_ms.p50", "detection p50", "ms"],
+    ["interruption_to_silence_ms.p50", "stopping p50", "ms"],
+    ["barge_in_to_silence_ms.max", "max", "ms"]], "samples.barge_in_to_silence_ms"],
   ["Early preparation", [["preparation.committed", "committed", "count"],
     ["preparation.discarded", "discarded", "count"],
     ["preparation.wasted_tokens_share", "wasted tokens", "pct"],
@@ -58,8 +64,8 @@ const BY_METHOD = [
   ["turn_end_to_first_audio_ms.p50", "ms"], ["turn_end_to_first_audio_ms.p95", "ms"],
   ["turn_end_to_first_audio_ms.p99", "ms"],
   ["request_to_first_token_ms.p50", "ms"], ["request_to_first_token_ms.p95", "ms"],
-  ["itl_ms.p50", "ms"], ["itl_ms.p95", "ms"], ["itl_ms.p99", "ms"],
-  ["itl_speedup", "speedup"], ["mean_accepted_per_step", "x2"], ["interrupted_share", "pct"],
+  ["itl_ms.mean", "ms"], ["itl_ms.p50", "ms"], ["itl_ms.p95", "ms"], ["itl_ms.p99", "ms"],
+  ["itl_speedup.value", "speedup"], ["accepted_per_step", "x2"], ["interrupted_share", "pct"],
 ];
 
 const UNITS = { ms: "ms", count: "", pct: "", x2: "", speedup: "" };
@@ -319,8 +325,8 @@ function turnLabel(t) {
 function renderClocks(turns) {
   const clocks = [
     ["chart-clock1", "Clock 1: request → first token", (t) => t.clocks.request_to_first_token_ms],
-    ["chart-clock2", "Clock 2: inter-token latency (p50 per turn)",
-      (t) => get(t, "clocks.itl_ms.p50")],
+    ["chart-clock2", "Clock 2: inter-token latency (mean per turn)",
+      (t) => get(t, "clocks.itl_ms.mean")],
     ["chart-clock3", "Clock 3: turn end → first audio",
       (t) => t.clocks.turn_end_to_first_audio_ms],
   ];
@@ -394,16 +400,36 @@ function renderSpeculation(spec) {
   })), layout("Drafting vs verification time per step", "draft ms", "verify ms",
     { margin: { l: 60, r: 16, t: 40, b: 84 } }));
 
-  const ks = (spec.k_history || []).filter((h) => h.k && h.k.length).slice(-K_TURNS);
-  plot("chart-k", ks.map((h) => ({
+  renderK((spec.k_history || []).filter((h) => h.k && h.k.length).slice(-K_TURNS));
+}
+
+// Line styles telling apart the turns of one method (which share its colour).
+const K_DASHES = ["solid", "dot", "dash", "longdash", "dashdot", "longdashdot"];
+
+// Each turn's K per decode step: a line per turn in its method's colour, the legend grouped by
+// method with a line per turn (click one to hide it).
+function renderK(ks) {
+  const groups = groupByMethod(ks, (h) => h.method);
+  const traces = groups.flatMap(([m, hs]) => hs.map((h, i) => ({
     type: "scatter",
     mode: "lines",
-    line: { shape: "hv", width: 1.5 },
-    name: `${h.call_id} #${h.turn}`,
+    line: { shape: "hv", width: 1.5, color: methodColour(m), dash: K_DASHES[i % K_DASHES.length] },
+    name: `call ${shortHash(h.call_id)} turn ${h.turn}`,
+    legendgroup: m,
+    legendgrouptitle: { text: m },
     x: h.k.map((_, i) => i + 1),
     y: h.k,
-    hovertemplate: "step %{x}: K = %{y}<extra>%{fullData.name}</extra>",
-  })), layout(`K per step (last ${K_TURNS} turns)`, "step", "K", { showlegend: false }));
+    hovertemplate: `step %{x}: K = %{y}<extra>%{fullData.name} · ${m}</extra>`,
+  })));
+  const lay = layout(`K per step (last ${K_TURNS} turns)`, "decode step of the turn's reply",
+    "K asked for (0: a plain step)", {
+      height: 360,
+      showlegend: true,
+      legend: { orientation: "v", x: 1.02, xanchor: "left", y: 1, yanchor: "top",
+        font: { size: 11 }, groupclick: "toggleitem", tracegroupgap: 8 },
+    });
+  lay.yaxis.dtick = Math.max(0, ...ks.flatMap((h) => h.k)) <= 8 ? 1 : null; // whole Ks
+  plot("chart-k", traces, lay);
 }
 
 // A turn's tool calls (records from before tools have none).
@@ -495,7 +521,7 @@ function renderOverview(ov, windowSince, chosen) {
   )));
 }
 
-function renderByMethod(byMethod) {
+function renderByMethod(byMethod, abOffShare) {
   const body = $("by-method").querySelector("tbody");
   const methods = methodOrder(Object.keys(byMethod || {}));
   if (!methods.length) {
@@ -504,46 +530,60 @@ function renderByMethod(byMethod) {
     })));
     return;
   }
-  const offItl = get(byMethod, "off.itl_ms.p50");
-  const offTurns = get(byMethod, "off.samples.itl_turns");
   body.replaceChildren(...methods.map((m) => {
-    const row = { ...byMethod[m] };
-    const itl = get(row, "itl_ms.p50");
-    row.itl_speedup = isNum(offItl) && isNum(itl) && itl > 0 ? offItl / itl : null;
+    const row = byMethod[m];
     return el("tr", { "data-method": m },
       el("th", { scope: "row" }, swatch(m), m),
       ...BY_METHOD.map(([path, kind]) => {
-        if (path === "itl_speedup") return speedupCell(m, row, offTurns);
-        if (path === "mean_accepted_per_step") {
+        if (path === "itl_speedup.value") return speedupCell(m, row.itl_speedup || {});
+        if (path === "accepted_per_step") {
           return el("td", { class: "num" }, metric("span", path, get(row, path), kind),
-            el("br"), sampleSize("samples.mean_accepted_per_step",
-              get(row, "samples.mean_accepted_per_step")));
+            el("br"), el("span", { class: "n", title: "speculative steps it pools" }, "steps = ",
+              metric("span", "samples.speculative_steps",
+                get(row, "samples.speculative_steps"), "count")));
         }
         return metric("td", path, get(row, path), kind);
       }));
   }));
+  renderBaseline(byMethod, abOffShare);
 }
 
-// The speed-up, and beside it the turns it is over: this method's and off's.
-function speedupCell(m, row, offTurns) {
-  const turns = get(row, "samples.itl_turns");
-  const gaps = get(row, "samples.itl_gaps");
+// The speed-up (stats.itl_speedup, computed by the server), and beside it the turns it is over:
+// this method's and off's.
+function speedupCell(m, sp) {
   const cell = el("td", {
     class: "num",
-    title: `ITL p50 over ${turns ?? 0} turns (${gaps ?? 0} gaps) of ${m}` +
-      (isNum(offTurns) ? `, against ${offTurns} turns of off` : ", no turns of off to compare"),
-  }, metric("span", "itl_speedup", row.itl_speedup, "speedup"), el("br"));
-  const n = el("span", { class: "n" }, "(", metric("span", "samples.itl_turns", turns, "count"));
+    title: `mean ITL over ${sp.turns ?? 0} turns (${sp.gaps ?? 0} gaps) of ${m}` +
+      (sp.off_turns ? `, against ${sp.off_turns} turns (${sp.off_gaps} gaps) of off`
+        : ", no turns of off to compare"),
+  }, metric("span", "itl_speedup.value", sp.value, "speedup"), el("br"));
+  const n = el("span", { class: "n" }, "(",
+    metric("span", "itl_speedup.turns", sp.turns, "count"));
   if (m !== "off") {
     n.append(" vs ", el("span", {
-      "data-metric": "itl_speedup_off_turns",
-      "data-value": JSON.stringify(isNum(offTurns) ? offTurns : null),
-      text: isNum(offTurns) ? String(offTurns) : "no off",
+      "data-metric": "itl_speedup.off_turns",
+      "data-value": JSON.stringify(sp.off_turns ?? null),
+      text: sp.off_turns ? String(sp.off_turns) : "no off",
     }));
   }
   n.append(" turns)");
   cell.append(n);
   return cell;
+}
+
+// Where the speed-up's baseline comes from, or in one line how to get one.
+function renderBaseline(byMethod, share) {
+  const pct = isNum(share) ? `${Math.round(share * 100)}%` : "–";
+  const note = $("baseline");
+  note.dataset.offTurns = JSON.stringify(get(byMethod, "off.samples.itl_turns") ?? 0);
+  if (get(byMethod, "off.samples.itl_turns")) {
+    note.textContent = `Baseline: the turns with speculation off, from calls the server holds ` +
+      `out at random (server.ab_off_share = ${pct} of calls) and any calls run with method off.`;
+  } else {
+    note.textContent = `No turns with speculation off in this window, so no speed-up: serve ` +
+      `holds out server.ab_off_share of calls with speculation off (now ${pct}); set it above ` +
+      `0 (e.g. --set server.ab_off_share=0.1), or run voiceagent bench call --modes off,ngram.`;
+  }
 }
 
 // ---- calls list and one call's turns ----------------------------------------------------------
@@ -554,7 +594,7 @@ function renderCalls() {
   const body = $("calls").querySelector("tbody");
   if (!calls.rows.length) {
     body.replaceChildren(el("tr", {}, el("td", {
-      colspan: 8, class: "empty", text: "no calls in this window",
+      colspan: 9, class: "empty", text: "no calls in this window",
     })));
   } else {
     body.replaceChildren(...calls.rows.map((c) => {
@@ -563,6 +603,7 @@ function renderCalls() {
         el("td", { text: fmtTime(c.started_at) }),
         el("td", {}, el("code", { text: c.call_id })),
         el("td", { text: c.kind || "–" }),
+        el("td", { class: "call-sid" }, c.call_sid ? el("code", { text: c.call_sid }) : "–"),
         el("td", {}, swatch(c.method), c.method || "–"),
         el("td", { title: c.config_hash || "no config hash recorded" },
           el("code", { text: shortHash(c.config_hash) })),
@@ -620,7 +661,7 @@ function toolsCell(t) {
 function renderCallTurns(turns) {
   const body = $("call-turns").querySelector("tbody");
   if (!turns.length) {
-    body.replaceChildren(el("tr", {}, el("td", { colspan: 7, class: "empty", text: "no turns" })));
+    body.replaceChildren(el("tr", {}, el("td", { colspan: 8, class: "empty", text: "no turns" })));
     return;
   }
   body.replaceChildren(...turns.map((t) => {
@@ -634,9 +675,49 @@ function renderCallTurns(turns) {
       transcriptCell(t.bot_text, stored),
       toolsCell(t),
       metric("td", "request_to_first_token_ms", c.request_to_first_token_ms, "ms"),
-      metric("td", "itl_ms.p50", get(c, "itl_ms.p50"), "ms"),
-      metric("td", "turn_end_to_first_audio_ms", c.turn_end_to_first_audio_ms, "ms"));
+      metric("td", "itl_ms.mean", get(c, "itl_ms.mean"), "ms"),
+      metric("td", "turn_end_to_first_audio_ms", c.turn_end_to_first_audio_ms, "ms"),
+      bargeInCell(t));
   }));
+}
+
+// A barge-in: the caller's first voiced frame -> the bot silent, and its two parts.
+function bargeInCell(t) {
+  if (!isNum(t.barge_in_to_silence_ms)) return el("td", { class: "num", text: "–" });
+  return el("td", { class: "num" },
+    metric("span", "barge_in_to_silence_ms", t.barge_in_to_silence_ms, "ms"),
+    el("span", { class: "n" }, " (",
+      metric("span", "barge_in_detection_ms", t.barge_in_detection_ms, "ms"), " + ",
+      metric("span", "interruption_to_silence_ms", t.interruption_to_silence_ms, "ms"), ")"));
+}
+
+// Each turn's speculation as the API computed it (stats.turn_speculation): the page only shows it.
+function renderCallSpeculation(rows) {
+  const body = $("call-speculation").querySelector("tbody");
+  if (!rows.length) {
+    body.replaceChildren(el("tr", {}, el("td", { colspan: 7, class: "empty", text: "no turns" })));
+    return;
+  }
+  body.replaceChildren(...rows.map((s) => el("tr", { "data-turn": s.turn },
+    el("th", { scope: "row", class: "num" }, String(s.turn)),
+    el("td", { class: "method" }, swatch(s.method), s.method),
+    el("td", { class: "num" }, metric("span", "speculative_steps", s.speculative_steps, "count"),
+      " / ", metric("span", "steps", s.steps, "count")),
+    metric("td", "accepted_per_step", s.accepted_per_step, "x2"),
+    el("td", { class: "num" }, metric("span", "acceptance_rate", s.acceptance_rate, "pct"),
+      s.drafted ? el("span", { class: "n" }, " (", metric("span", "accepted", s.accepted, "count"),
+        " of ", metric("span", "drafted", s.drafted, "count"), ")") : null),
+    kRange(s),
+    metric("td", "k_mean", s.k_mean, "x2"))));
+}
+
+// "2–6", or "4" when every step asked for the same K.
+function kRange(s) {
+  const cell = el("td", { class: "num" }, metric("span", "k_min", s.k_min, "count"));
+  if (isNum(s.k_max) && s.k_max !== s.k_min) {
+    cell.append("–", metric("span", "k_max", s.k_max, "count"));
+  }
+  return cell;
 }
 
 async function showCall(callId) {
@@ -654,14 +735,17 @@ async function showCall(callId) {
     if (err.status !== 404) throw err;
     $("call-title").textContent = `Call ${callId}: not in the store`;
     renderCallTurns([]);
+    renderCallSpeculation([]);
     renderWaterfall([]);
     return;
   }
   if (calls.selected !== callId) return; // another call was clicked meanwhile
   const c = r.call;
-  $("call-title").textContent = `Call ${c.call_id} · ${c.kind || "?"} · speculation ` +
-    `${c.method || "?"} · ${fmtTime(c.started_at)} · ${r.turns.length} turn(s)`;
+  $("call-title").replaceChildren(`Call ${c.call_id} · ${c.kind || "?"} · speculation ` +
+    `${c.method || "?"} · ${fmtTime(c.started_at)} · ${r.turns.length} turn(s)`,
+  ...(c.call_sid ? [" · Twilio CallSid ", el("code", { id: "call-sid", text: c.call_sid })] : []));
   renderCallTurns(r.turns);
+  renderCallSpeculation(r.speculation || []);
   renderWaterfall(r.turns);
 }
 
@@ -729,7 +813,7 @@ async function refreshAll() {
   if (mine !== generation) return;
   renderFilters(choices);
   renderOverview(ov, s, chosen); // the tables first: they need no charting library
-  renderByMethod(ov.by_method);
+  renderByMethod(ov.by_method, ov.ab_off_share);
   applyCalls(page);
   renderClocks(turns.turns);
   renderSpeculation(spec);

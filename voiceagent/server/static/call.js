@@ -334,7 +334,7 @@ function ms(v) {
 
 // Accepted tokens per speculative step; without it (e.g. a remote LLM) the acceptance rate.
 function accepted(spec) {
-  if (isNum(spec.mean_accepted_per_step)) return spec.mean_accepted_per_step.toFixed(2);
+  if (isNum(spec.accepted_per_step)) return spec.accepted_per_step.toFixed(2);
   if (isNum(spec.acceptance_rate)) return `${Math.round(spec.acceptance_rate * 100)}%`;
   return "–";
 }
@@ -366,7 +366,7 @@ function onTurn(turn) {
   tr.className = "turn";
   tr.dataset.turn = turn.turn;
   const cells = [
-    turn.turn, ms(c.request_to_first_token_ms), ms(itl.p50), ms(itl.p95),
+    turn.turn, ms(c.request_to_first_token_ms), ms(itl.mean), ms(itl.p95),
     ms(c.turn_end_to_first_audio_ms), spec.method || "–", accepted(spec),
     isNum(spec.tokens_per_s) ? Math.round(spec.tokens_per_s) : "–",
   ];
