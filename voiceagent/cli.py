@@ -18,11 +18,13 @@ METHODS_HELP = "off, ngram, draft, eagle, grammar, or grammar+<one>"
 
 def _method(name: str) -> str:
     from llm_engine.proposers import check_method
+    from voiceagent.config import did_you_mean, setting_choices
 
     try:
         check_method(name)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        guess = did_you_mean(name, setting_choices(("engine", "speculation", "method")))
+        raise argparse.ArgumentTypeError(f"{exc}; {guess}" if guess else str(exc)) from None
     return name
 
 

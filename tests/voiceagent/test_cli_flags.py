@@ -220,3 +220,10 @@ def test_a_bad_method_is_refused_with_the_known_ones(capsys):
         cli.main(["chat", "hi", "--speculative", "magic"])
     assert exited.value.code == 2
     assert "unknown proposer 'magic'" in capsys.readouterr().err
+
+
+def test_a_mistyped_method_flag_suggests_the_nearest(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["chat", "hi", "--speculative", "eagel"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("did you mean 'eagle'?")
