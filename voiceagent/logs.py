@@ -7,6 +7,11 @@ function, line, message and, with an exception, its traceback. `--log-level` is 
 sink (default INFO); other libraries' standard-logging records below WARNING stay dropped, as
 they were before this was configured.
 
+Quiet by design: a line a normal call writes at WARNING or above must mean something. The warnings
+of libraries that are known to be harmless here are dropped at the sink, each with its reason, in
+`HARMLESS` (the one place); uvicorn's access lines for the polled `/healthz` and `/metrics` are
+DEBUG, every other request INFO.
+
 Progress bars (tqdm) are drawn only when stderr is a terminal and the logs are text; elsewhere the
 steps print their plain lines as before. Lines written with `write` (and log lines) appear above a
 bar without breaking it.
@@ -18,6 +23,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 from datetime import UTC
@@ -34,6 +40,29 @@ OUR_LOGGERS = ("voiceagent", "llm_engine", "audio", "__main__")  # standard-logg
 
 _state = {"bars": True}
 
+# (logger name prefix, message pattern, why it is harmless here): dropped at the sink. A warning
+# whose cause we can remove is fixed where it arises instead (see voiceagent/server/webrtc.py).
+HARMLESS: tuple[tuple[str, re.Pattern, str], ...] = (
+    ("pipecat.turns.user_stop",
+     re.compile(r"VAD stop_secs \([\d.]+s\) differs from the recommended"),
+     "our hangover (vad.stop_secs) is chosen, and the advice that follows (give the STT its own "
+     "ttfs_p99_latency instead of pipecat's built-in one) is followed: see pipeline/stt.py"),
+    ("pipecat.transports.smallwebrtc", re.compile(r"No (screen )?video transceiver is available"),
+     "browser calls are audio-only: pipecat looks for the video tracks of every peer"),
+)
+POLLED_PATHS = frozenset({"/healthz", "/metrics"})  # their access lines are DEBUG
+
+
+def harmless(record: dict) -> bool:
+    """Whether a loguru record is one of `HARMLESS`."""
+    name = record["name"] or ""
+    return any(name.startswith(prefix) and pattern.search(record["message"])
+               for prefix, pattern, _ in HARMLESS)
+
+
+def _keep(record: dict) -> bool:
+    return not harmless(record)
+
 
 class InterceptHandler(logging.Handler):
     """A standard-logging handler that hands each record to loguru (loguru's recipe), naming the
@@ -48,7 +77,21 @@ class InterceptHandler(logging.Handler):
         while frame is not None and (depth == 0 or frame.f_code.co_filename == logging.__file__):
             frame, depth = frame.f_back, depth + 1
         logger.opt(depth=depth, exception=record.exc_info).bind(logger=record.name).log(
-            level, record.getMessage())
+            self.level_of(record, level), record.getMessage())
+
+    def level_of(self, record: logging.LogRecord, level: str | int) -> str | int:
+        return level
+
+
+class AccessLogHandler(InterceptHandler):
+    """uvicorn's access log: the polled paths (`POLLED_PATHS`: probes, scrapers) at DEBUG, so a
+    server's log at INFO is its calls and its other requests."""
+
+    def level_of(self, record: logging.LogRecord, level: str | int) -> str | int:
+        # uvicorn's access record: args = (client, method, path with query, HTTP version, status)
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = str(args[2]).partition("?")[0] if len(args) == 5 else ""
+        return "DEBUG" if path in POLLED_PATHS and level == "INFO" else level
 
 
 def json_line(record: dict) -> str:
@@ -93,12 +136,12 @@ def configure(level: str = DEFAULT_LEVEL, json_lines: bool = False) -> None:
     logger.remove()  # loguru's default handler (stderr, DEBUG) and any earlier configure's
     if json_lines:
         logger.add(_json_sink, level=level, format="{message}", colorize=False,
-                   backtrace=False, diagnose=False)
+                   backtrace=False, diagnose=False, filter=_keep)
     else:
         # sys.stderr is looked up per line, so a replaced stream (pytest's capture) is followed.
         # diagnose=False: no variable values (a token, a caller's words) in a logged traceback.
         colour = sys.stderr.isatty() and "NO_COLOR" not in os.environ
-        logger.add(_text_sink, level=level, colorize=colour, diagnose=False)
+        logger.add(_text_sink, level=level, colorize=colour, diagnose=False, filter=_keep)
     root = logging.getLogger()
     root.handlers = [h for h in root.handlers if not isinstance(h, InterceptHandler)]
     root.addHandler(InterceptHandler())
@@ -131,14 +174,15 @@ def _route_transformers() -> None:
 def _route_uvicorn() -> None:
     """uvicorn configures its loggers from `uvicorn.config.LOGGING_CONFIG` (the default
     `log_config` of every uvicorn.Config, the same dict object): point its two handlers at
-    loguru, so its lines (access log included) come out in the same format and level."""
+    loguru, so its lines (access log included) come out in the same format and level (the
+    access lines of `POLLED_PATHS` at DEBUG)."""
     try:
         import uvicorn.config
     except ImportError:
         return
     handlers = uvicorn.config.LOGGING_CONFIG["handlers"]
-    for name in ("default", "access"):
-        handlers[name] = {"()": f"{__name__}.InterceptHandler"}
+    handlers["default"] = {"()": f"{__name__}.InterceptHandler"}
+    handlers["access"] = {"()": f"{__name__}.AccessLogHandler"}
 
 
 # -- progress bars --------------------------------------------------------------------------------
