@@ -276,7 +276,7 @@ async def test_filters_by_method_and_config_hash_narrow_every_view(tmp_path):
         assert [t["call_id"] for t in recent["turns"]] == ["call2", "call2"]
         ov = await get("/api/overview", method="ngram", config_hash="bbb")
         assert ov == {"since": None, "method": "ngram", "config_hash": "bbb",
-                      **_as_json(overview(under_bbb))}
+                      "ab_off_share": 0.1, **_as_json(overview(under_bbb))}
         assert ov["turns"] == 4 and set(ov["by_method"]) == {"ngram"}
         assert (await get("/api/speculation", config_hash="aaa")) == _as_json(speculation(off))
         assert (await get("/api/overview", config_hash="nope"))["turns"] == 0
