@@ -6,6 +6,7 @@ any machine: one Whisper run alone takes about 350 ms on two cores.
 """
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -99,7 +100,9 @@ async def test_committed_preparation_says_what_the_unprepared_path_says(cfg, sha
     assert with_prep.bot_text == without.bot_text  # and the same words spoken
 
 
-async def test_backchannel_does_not_interrupt_but_a_real_barge_in_does(cfg, shared):
+@pytest.fixture(scope="module")
+def barge_in_call(cfg, shared):
+    """A long story, a backchannel over it, then a real barge-in."""
     talkative = cfg.model_copy(deep=True)
     talkative.vad.stop_secs = 0.3
     talkative.turn.min_interrupt_s = 0.7  # "Mm-hmm." is 0.49 s of speech
@@ -109,7 +112,11 @@ async def test_backchannel_does_not_interrupt_but_a_real_barge_in_does(cfg, shar
         "Stop, stop, please stop the story now."
     audio = _caller(0.5, ask, 4.5, backchannel, 3.0, stop, 5.0)
     backchannel_end = 0.5 + (len(_voiced(ask)) + len(_voiced(backchannel))) / RATE + 4.5
-    result = await simulate_call(talkative, shared, audio)
+    return asyncio.run(simulate_call(talkative, shared, audio)), backchannel_end
+
+
+def test_backchannel_does_not_interrupt_but_a_real_barge_in_does(barge_in_call):
+    result, backchannel_end = barge_in_call
     first = result.turns[0]
     # The bot kept talking through the backchannel ...
     after = result.bot[int((backchannel_end + 0.8) * RATE) : int((backchannel_end + 2.8) * RATE)]
@@ -118,6 +125,20 @@ async def test_backchannel_does_not_interrupt_but_a_real_barge_in_does(cfg, shar
     assert first.interrupted
     assert first.barge_in_to_silence_ms is not None
     assert first.barge_in_to_silence_ms < 700 + BARGE_IN_BOUND_MS  # it must last 0.7 s first
+
+
+def test_an_interrupted_turn_records_the_words_the_caller_heard(barge_in_call):
+    result, _ = barge_in_call
+    first = result.turns[0]
+    assert first.interrupted
+    heard, generated = (_words(t) for t in (first.bot_text, first.llm_text))
+    # Some of the story was played before the barge-in, and less than was generated.
+    assert 0 < len(heard) < len(generated)
+    assert generated[:len(heard)] == heard
+
+
+def _words(text: str) -> list[str]:
+    return re.sub(r"[^\w\s]", " ", text.casefold()).split()
 
 
 def test_turn_with_a_discarded_preparation_has_every_stage_of_the_committed_reply(paused_call):
