@@ -190,10 +190,11 @@ async def run_variants(chat: EngineChat, configs: dict[str, Config], notes: dict
         warm = await chat.submit(start, one, f"echo-{name}", None, use).result()
         results[name] = VariantResult(name, notes[name], [], warm.stats.prefill_tokens,
                                       warm.stats.prefill_ms or 0.0)
-    for segment, caller in utterances:
+    for i, (segment, caller) in enumerate(utterances, 1):
         for name, cfg in configs.items():
             turn = await _turn(chat, cfg, tools, f"echo-{name}", segment, caller)
             results[name].turns.append(turn)
+        logs.write(f"{i}/{len(utterances)}: {caller}")
     for name in configs:
         chat.drop_session(f"echo-{name}")
     return list(results.values())
