@@ -296,7 +296,7 @@ def test_the_speed_up_shows_the_turns_it_is_over(chromium, server, tmp_path):
     for method, figures in by_method.items():
         shown = _shown(d, f'#by-method tr[data-method="{method}"]')
         want = figures["samples"]["itl_turns"]
-        n = shown.get("samples.itl_turns")
+        n = shown.get("itl_speedup.turns")
         d.expect(n is not None and n["value"] == want and n["text"] == str(want),
                  f"{method}: sample size {n}, api {want}")
         d.expect(shown["samples.speculative_steps"]["value"]

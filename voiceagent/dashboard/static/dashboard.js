@@ -577,8 +577,9 @@ function renderBaseline(byMethod, share) {
   const note = $("baseline");
   note.dataset.offTurns = JSON.stringify(get(byMethod, "off.samples.itl_turns") ?? 0);
   if (get(byMethod, "off.samples.itl_turns")) {
-    note.textContent = `Baseline: the turns with speculation off, from calls the server holds ` +
-      `out at random (server.ab_off_share = ${pct} of calls) and any calls run with method off.`;
+    note.textContent = `Baseline: the turns with speculation off, from the calls the server ` +
+      `holds out (server.ab_off_share = ${pct} of calls, spread evenly) and any calls run with ` +
+      `method off.`;
   } else {
     note.textContent = `No turns with speculation off in this window, so no speed-up: serve ` +
       `holds out server.ab_off_share of calls with speculation off (now ${pct}); set it above ` +
