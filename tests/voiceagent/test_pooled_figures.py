@@ -4,17 +4,22 @@ show the pooled figure, recomputed here from the raw records of /api/turns."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_engine.stats import RequestStats, StepStats
-from tests.voiceagent.serving import server_config
+from tests.audio.speech import speech
+from tests.voiceagent.serving import server_config, serving, twilio_url
 from tests.voiceagent.turns import make_turn
 from voiceagent.cli import main
 from voiceagent.pipeline.turn_record import Percentiles
 from voiceagent.server.app import create_app
 from voiceagent.server.webrtc import turn_message
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 
 def _stats(method: str, steps: list[tuple[int, int]], itl: list[float]) -> dict:
@@ -114,3 +119,62 @@ async def test_the_itl_speed_up_is_off_s_mean_gap_over_the_method_s_on_every_sur
                 / samples[("voiceagent_inter_token_seconds_count", method)])
 
     assert mean_gap("off") / mean_gap("ngram") == pytest.approx(off / ngram)
+
+
+@pytest.mark.slow
+async def test_a_scripted_call_with_speculation_on_and_off_shows_the_same_figures_everywhere(
+        tmp_path, models):
+    """Two Twilio calls through a real server, the second held out with speculation off
+    (`server.ab_off_share` 0.5), the first with a barge-in: each figure of /api/overview equals
+    the same figure recomputed from /api/turns' raw records and from /metrics."""
+    cfg = server_config(tmp_path, "server.ab_off_share=0.5", "engine.speculation.method=ngram")
+    async with serving(cfg, models) as (app, base):
+        for barge_in in (True, False):
+            async with TwilioCaller(twilio_url(base)) as caller:
+                await caller.start()
+                said = await caller.say(speech("Tell me a long story about a brave dragon."))
+                assert await caller.wait(lambda r, t=said.ended: r.media_after(t), 45)
+                if barge_in:
+                    await asyncio.sleep(0.5)
+                    stop = await caller.say(speech("Stop, wait a moment please."))
+                    assert await caller.wait(
+                        lambda r, t=stop.started: any(c >= t for c in r.clears), 10)
+                await caller.reply(said.ended, 45)
+                await caller.hang_up()
+            await app.state.server.calls.wait_idle(10)
+        app.state.server.store.flush()
+        turns = (await _get(app, "/api/turns")).json()["turns"]
+        ov = (await _get(app, "/api/overview")).json()
+        metrics = (await _get(app, "/metrics")).text
+    assert {t["engine"]["method"] for t in turns} == {"ngram", "off"}
+    samples = [s for f in text_string_to_metric_families(metrics) for s in f.samples]
+
+    def metric(name: str, method: str, **labels) -> float:
+        return sum(s.value for s in samples if s.name == name and s.labels.get("method") == method
+                   and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    for method, figures in ov["by_method"].items():
+        mine = [t for t in turns if t["engine"]["method"] == method]
+        raw = _recomputed(turns, method)
+        assert figures["turns"] == len(mine) == metric("voiceagent_turns_total", method)
+        assert figures["interrupted"] == sum(t["interrupted"] for t in mine) == metric(
+            "voiceagent_interruptions_total", method)
+        assert figures["itl_ms"]["mean"] == pytest.approx(raw["itl_mean"])
+        assert figures["itl_ms"]["mean"] == pytest.approx(
+            1000 * metric("voiceagent_inter_token_seconds_sum", method)
+            / metric("voiceagent_inter_token_seconds_count", method))
+        steps = metric("voiceagent_speculative_steps_total", method)
+        assert figures["samples"]["speculative_steps"] == steps
+        if steps:
+            assert figures["accepted_per_step"] == pytest.approx(raw["accepted_per_step"])
+            assert figures["accepted_per_step"] == pytest.approx(
+                metric("voiceagent_accepted_tokens_total", method) / steps)
+        barge = [t["barge_in_to_silence_ms"] for t in mine if t["barge_in_to_silence_ms"]]
+        assert figures["samples"]["barge_in_to_silence_ms"] == len(barge) == metric(
+            "voiceagent_barge_in_seconds_count", method, stage="total")
+        assert figures["turn_end_to_first_audio_ms"]["p50"] == pytest.approx(
+            np.percentile([t["clocks"]["turn_end_to_first_audio_ms"] for t in mine], 50))
+    speedup = ov["by_method"]["ngram"]["itl_speedup"]["value"]
+    assert speedup == pytest.approx(_recomputed(turns, "off")["itl_mean"]
+                                    / _recomputed(turns, "ngram")["itl_mean"])
+    assert ov["samples"]["barge_in_to_silence_ms"] >= 1
