@@ -168,12 +168,7 @@ async def test_a_reply_after_a_withdrawn_one_has_its_tts_stages_before_its_start
     await push(obs, TTSStartedFrame(context_id="new"), 2150, src=TTS)
     await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1, context_id="new"), 2250, src=TTS)
     await push(obs, PreparedResponseStartFrame(), 2251, src=TTS)
-    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 2300)
-    await push(obs, TranscriptionFrame("What is the time?", "user", "now"), 2301)
-    await push(obs, UserStoppedSpeakingFrame(), 2302)
-    await push(obs, BotStartedSpeakingFrame(), 2310, src=OUT)
-    await push(obs, _prepared_metrics(5, discarded=False), 2400)
-    await push(obs, BotStoppedSpeakingFrame(), 3000, src=OUT)
+    await confirmed_and_played(obs)
     [turn] = records
     assert (turn.breakdown.first_clause_ms, turn.breakdown.tts_first_chunk_ms) == (50, 100)
     assert turn.breakdown.chunk_to_audio_ms == 60
@@ -236,6 +231,16 @@ def _prepared_metrics(tokens: int, discarded: bool) -> MetricsFrame:
     return MetricsFrame(data=[data])
 
 
+async def confirmed_and_played(obs):
+    """The turn ends at 2300 (speech ended at 1800) and the prepared reply is heard."""
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 2300)
+    await push(obs, TranscriptionFrame("What is the time?", "user", "now"), 2301)
+    await push(obs, UserStoppedSpeakingFrame(), 2302)
+    await push(obs, BotStartedSpeakingFrame(), 2310, src=OUT)
+    await push(obs, _prepared_metrics(5, discarded=False), 2400)
+    await push(obs, BotStoppedSpeakingFrame(), 3000, src=OUT)
+
+
 async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste():
     turns = []
     obs = ClocksObserver("c1", turns.append)
@@ -253,12 +258,7 @@ async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste()
     await push(obs, _prepared_context("what is the time"), 2000, dst=LLM)
     await push(obs, PreparedResponseStartFrame(), 2001, src=LLM)
     await push(obs, LLMTextFrame("It is"), 2100, src=LLM)
-    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 2300)
-    await push(obs, TranscriptionFrame("What is the time?", "user", "now"), 2301)
-    await push(obs, UserStoppedSpeakingFrame(), 2302)
-    await push(obs, BotStartedSpeakingFrame(), 2310, src=OUT)
-    await push(obs, _prepared_metrics(5, discarded=False), 2400)
-    await push(obs, BotStoppedSpeakingFrame(), 3000, src=OUT)
+    await confirmed_and_played(obs)
     [turn] = turns
     prep = turn.preparation
     assert (prep.prepared, prep.committed, prep.discarded) == (2, True, 1)

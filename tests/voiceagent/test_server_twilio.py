@@ -10,7 +10,7 @@ import pytest
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, until
 from tests.voiceagent.serving import twilio_url as ws_url
-from voiceagent.sim.twilio_caller import TwilioCaller
+from voiceagent.sim.twilio_caller import TwilioCaller, Utterance
 
 pytestmark = pytest.mark.slow
 
@@ -42,18 +42,22 @@ async def test_a_call_hears_the_bot_and_gets_a_mark_after_its_utterance(tmp_path
         assert record.clocks.turn_end_to_first_audio_ms > 0
 
 
+async def _talk_over_the_bot(caller: TwilioCaller) -> tuple[Utterance, float]:
+    """Ask for a story, and say stop while the bot tells it: the stop and the `clear` after it."""
+    said = await caller.say(speech("Tell me a long story about a brave little dragon."))
+    assert await caller.wait(lambda r: r.media_after(said.ended), REPLY_TIMEOUT_S)
+    await asyncio.sleep(0.5)  # the bot is mid-utterance
+    barge = await caller.say(speech("Stop, wait a moment please."))
+    assert await caller.wait(lambda r: any(t >= barge.started for t in r.clears), 10), \
+        "no clear after the caller spoke over the bot"
+    return barge, next(t for t in caller.received.clears if t >= barge.started)
+
+
 async def test_barge_in_gets_a_clear_within_the_bound(tmp_path, models):
     async with serving(server_config(tmp_path), models) as (_app, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start()
-            said = await caller.say(speech("Tell me a long story about a brave little dragon."))
-            assert await caller.wait(lambda r: r.media_after(said.ended), REPLY_TIMEOUT_S)
-            await asyncio.sleep(0.5)  # the bot is mid-utterance
-            barge = await caller.say(speech("Stop, wait a moment please."))
-            assert await caller.wait(
-                lambda r: any(t >= barge.started for t in r.clears), 10
-            ), "no clear after the caller spoke over the bot"
-            clear_at = next(t for t in caller.received.clears if t >= barge.started)
+            barge, clear_at = await _talk_over_the_bot(caller)
             assert clear_at - barge.started < BARGE_IN_CLEAR_BOUND_S
             await caller.hang_up()
 
@@ -64,13 +68,8 @@ async def test_the_barge_in_clock_agrees_with_what_the_caller_measured(tmp_path,
     async with serving(server_config(tmp_path), models) as (app, base):
         async with TwilioCaller(ws_url(base)) as caller:
             await caller.start()
-            said = await caller.say(speech("Tell me a long story about a brave little dragon."))
-            assert await caller.wait(lambda r: r.media_after(said.ended), REPLY_TIMEOUT_S)
-            await asyncio.sleep(0.5)  # the bot is mid-utterance
-            barge = await caller.say(speech("Stop, wait a moment please."))
-            assert await caller.wait(lambda r: any(t >= barge.started for t in r.clears), 10)
-            heard_ms = 1000 * (next(t for t in caller.received.clears if t >= barge.started)
-                               - barge.voiced)
+            barge, clear_at = await _talk_over_the_bot(caller)
+            heard_ms = 1000 * (clear_at - barge.voiced)
             await caller.hang_up()
         server = app.state.server
         await server.calls.wait_idle(10)
