@@ -21,8 +21,10 @@ def test_examples_become_alternating_chat_messages():
     assert agent.example_messages() == EXAMPLE
 
 
-def test_the_default_config_ships_examples():
-    assert load_config(None).agent.example_messages()
+def test_the_default_config_ships_no_examples():
+    """They cut echoes (docs/BENCHMARKS.md) but the reply to a tool's result stopped saying it
+    (test_call's order status): off until an exchange is found that keeps both."""
+    assert load_config(None).agent.example_messages() == []
 
 
 def test_examples_follow_the_system_prompt_and_precede_the_conversation():
