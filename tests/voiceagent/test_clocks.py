@@ -52,6 +52,12 @@ async def push(obs, frame, at_ms, src=OTHER, dst=OTHER):
     await obs.on_push_frame(FramePushed(src, dst, frame, FrameDirection.DOWNSTREAM, at_ms * MS))
 
 
+async def dropped_by_transport(obs, at_ms):
+    """The interruption reaches the output transport, which drops its audio (Twilio: `clear`)."""
+    await obs.on_push_frame(FramePushed(OUT, OTHER, InterruptionFrame(),
+                                        FrameDirection.DOWNSTREAM, at_ms * MS, first_push=False))
+
+
 def engine_metrics(interrupted=False, itl=(50.0, 0.0, 60.0)):
     stats = {"itl_ms": list(itl), "prefill_ms": 80.0, "method": "ngram"}
     data = EngineStatsMetricsData(
@@ -100,6 +106,7 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
     # the caller talks over the bot from 2000; the VAD confirms it 100 ms later
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 2100)
     await push(obs, InterruptionFrame(), 2120)
+    await dropped_by_transport(obs, 2140)
     await push(obs, BotStoppedSpeakingFrame(), 2150, src=OUT)
     await push(obs, engine_metrics(interrupted=True), 2160)
     [r] = records
@@ -117,11 +124,29 @@ async def test_barge_in_is_timed_from_the_first_voiced_frame_in_detection_and_st
     await push(obs, UserSpeechOnsetFrame(onset_ns=2000 * MS), 2450)
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2450)
     await push(obs, InterruptionFrame(), 2470)
+    await dropped_by_transport(obs, 2490)
     await push(obs, BotStoppedSpeakingFrame(), 2500, src=OUT)
     await push(obs, engine_metrics(interrupted=True), 2510)
     [r] = records
     assert r.barge_in_to_silence_ms == 500  # not 250: the VAD's start minus start_secs
     assert (r.barge_in_detection_ms, r.interruption_to_silence_ms) == (470, 30)
+
+
+async def test_a_barge_in_ends_when_the_transport_drops_the_audio_if_that_comes_later():
+    """On Twilio the bot is silent when the `clear` goes out, which the transport sends when the
+    interruption reaches it; a BotStoppedSpeakingFrame can come before it."""
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await answered_turn(obs)
+    await push(obs, UserSpeechOnsetFrame(onset_ns=2000 * MS), 2450)
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2450)
+    await push(obs, InterruptionFrame(), 2470)
+    await push(obs, BotStoppedSpeakingFrame(), 2480, src=OUT)
+    await push(obs, engine_metrics(interrupted=True), 2490)
+    assert records == []  # the audio is still queued at the transport
+    await dropped_by_transport(obs, 2560)
+    [r] = records
+    assert (r.barge_in_to_silence_ms, r.interruption_to_silence_ms) == (560, 90)
 
 
 def test_heard_part_keeps_the_words_whose_end_was_played():
@@ -143,6 +168,7 @@ async def test_an_interrupted_turn_keeps_the_words_its_played_audio_carried():
         await push(obs, TTSAudioRawFrame(b"\0\0" * 1600, 16000, 1), 2100 + 100 * i, src=OUT)
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2700)
     await push(obs, InterruptionFrame(), 2710)
+    await dropped_by_transport(obs, 2715)
     await push(obs, BotStoppedSpeakingFrame(), 2720, src=OUT)
     await push(obs, engine_metrics(interrupted=True), 2730)
     [r] = records
@@ -185,6 +211,7 @@ async def test_a_barge_in_decided_after_its_speech_ended_is_timed_from_that_spee
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 4100)  # "stop" from 4000
     await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 5000)
     await push(obs, InterruptionFrame(), 5100)
+    await dropped_by_transport(obs, 5140)
     await push(obs, BotStoppedSpeakingFrame(), 5150, src=OUT)
     await push(obs, engine_metrics(interrupted=True), 5160)
     [r] = records

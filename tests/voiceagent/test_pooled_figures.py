@@ -16,6 +16,7 @@ from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, twilio_url
 from tests.voiceagent.turns import make_turn
 from voiceagent.cli import main
+from voiceagent.dashboard.stats import method_of
 from voiceagent.pipeline.turn_record import Percentiles
 from voiceagent.server.app import create_app
 from voiceagent.server.webrtc import turn_message
@@ -70,11 +71,11 @@ async def _get(app, path: str) -> httpx.Response:
 
 def _recomputed(turns: list[dict], method: str) -> dict:
     """The figures from the raw records, by their definitions."""
-    mine = [t for t in turns if t["engine"]["method"] == method]
-    steps = [s for t in mine for s in t["engine"]["steps"] if s["drafted"]]
-    gaps = [g for t in mine for g in t["engine"]["itl_ms"]]
+    mine = [t for t in turns if method_of(t) == method]
+    steps = [s for t in mine for s in t["engine"].get("steps") or [] if s["drafted"]]
+    gaps = [g for t in mine for g in t["engine"].get("itl_ms") or []]
     return {"accepted_per_step": sum(s["accepted"] for s in steps) / len(steps) if steps else None,
-            "itl_mean": sum(gaps) / len(gaps)}
+            "itl_mean": sum(gaps) / len(gaps) if gaps else None}
 
 
 async def test_accepted_per_step_is_pooled_over_steps_on_every_surface(app, tmp_path):
@@ -146,7 +147,7 @@ async def test_a_scripted_call_with_speculation_on_and_off_shows_the_same_figure
         turns = (await _get(app, "/api/turns")).json()["turns"]
         ov = (await _get(app, "/api/overview")).json()
         metrics = (await _get(app, "/metrics")).text
-    assert {t["engine"]["method"] for t in turns} == {"ngram", "off"}
+    assert {method_of(t) for t in turns} >= {"ngram", "off"}
     samples = [s for f in text_string_to_metric_families(metrics) for s in f.samples]
 
     def metric(name: str, method: str, **labels) -> float:
@@ -154,15 +155,16 @@ async def test_a_scripted_call_with_speculation_on_and_off_shows_the_same_figure
                    and all(s.labels.get(k) == v for k, v in labels.items()))
 
     for method, figures in ov["by_method"].items():
-        mine = [t for t in turns if t["engine"]["method"] == method]
+        mine = [t for t in turns if method_of(t) == method]
         raw = _recomputed(turns, method)
         assert figures["turns"] == len(mine) == metric("voiceagent_turns_total", method)
         assert figures["interrupted"] == sum(t["interrupted"] for t in mine) == metric(
             "voiceagent_interruptions_total", method)
         assert figures["itl_ms"]["mean"] == pytest.approx(raw["itl_mean"])
-        assert figures["itl_ms"]["mean"] == pytest.approx(
-            1000 * metric("voiceagent_inter_token_seconds_sum", method)
-            / metric("voiceagent_inter_token_seconds_count", method))
+        if raw["itl_mean"] is not None:  # a turn no request answered has no engine stats
+            assert figures["itl_ms"]["mean"] == pytest.approx(
+                1000 * metric("voiceagent_inter_token_seconds_sum", method)
+                / metric("voiceagent_inter_token_seconds_count", method))
         steps = metric("voiceagent_speculative_steps_total", method)
         assert figures["samples"]["speculative_steps"] == steps
         if steps:
@@ -172,8 +174,9 @@ async def test_a_scripted_call_with_speculation_on_and_off_shows_the_same_figure
         barge = [t["barge_in_to_silence_ms"] for t in mine if t["barge_in_to_silence_ms"]]
         assert figures["samples"]["barge_in_to_silence_ms"] == len(barge) == metric(
             "voiceagent_barge_in_seconds_count", method, stage="total")
-        assert figures["turn_end_to_first_audio_ms"]["p50"] == pytest.approx(
-            np.percentile([t["clocks"]["turn_end_to_first_audio_ms"] for t in mine], 50))
+        clock3 = [c for t in mine if (c := t["clocks"]["turn_end_to_first_audio_ms"]) is not None]
+        assert figures["turn_end_to_first_audio_ms"]["p50"] == (
+            pytest.approx(np.percentile(clock3, 50)) if clock3 else None)
     speedup = ov["by_method"]["ngram"]["itl_speedup"]["value"]
     assert speedup == pytest.approx(_recomputed(turns, "off")["itl_mean"]
                                     / _recomputed(turns, "ngram")["itl_mean"])

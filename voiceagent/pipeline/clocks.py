@@ -127,6 +127,9 @@ class _Turn:
     interrupted_ns: int | None = None
     barge_in_ns: int | None = None  # the caller started speaking over this reply
     audio_stopped_ns: int | None = None
+    # The output transport took the interruption: it dropped its queued audio (on Twilio, sent
+    # the `clear`). The bot is silent once this and its BotStoppedSpeakingFrame have both come.
+    dropped_ns: int | None = None
     speaking: bool = False
     audio_s: float = 0.0  # synthesised for this turn's reply
     prepared_ns: int | None = None  # the request of the preparation in flight or committed
@@ -160,9 +163,18 @@ class _Turn:
         their results too (unless the caller cut the turn short)."""
         waiting = self.interrupted_ns is None and bool(self.tool_calls) and (
             self.tools_pending or self.reported < self.requests)
-        return bool(self.engine) and not self.speaking and not waiting and (
+        dropping = self.interrupted_ns is not None and self.dropped_ns is None and (
+            self.first_audio_ns is not None)
+        return bool(self.engine) and not self.speaking and not waiting and not dropping and (
             self.first_audio_ns is not None or self.interrupted_ns is not None
         )
+
+    @property
+    def silent_ns(self) -> int | None:
+        """When the bot's audio stopped after a barge-in: its BotStoppedSpeakingFrame, or the
+        transport dropping its queue (the `clear`) if that came later."""
+        ends = [t for t in (self.audio_stopped_ns, self.dropped_ns) if t is not None]
+        return max(ends) if self.audio_stopped_ns is not None and ends else None
 
     @property
     def heard_text(self) -> str:
@@ -275,6 +287,9 @@ class ClocksObserver(BaseObserver):
         if isinstance(src, BaseOutputTransport) and isinstance(frame, (TTSTextFrame,
                                                                       OutputAudioRawFrame)):
             self._played(frame)  # what the transport played (audio it chunked anew, or not)
+            return
+        if isinstance(src, BaseOutputTransport) and isinstance(frame, InterruptionFrame):
+            self._dropped(ts)  # the interruption reached the transport (not a first push)
             return
         if not data.first_push:
             return
@@ -409,6 +424,12 @@ class ClocksObserver(BaseObserver):
         elif frame.properties is None or frame.properties.is_final:  # not a progress update
             run.finish(ts, frame)
 
+    def _dropped(self, ts: int) -> None:
+        turn = self._answering
+        if turn is not None and turn.interrupted_ns is not None and turn.dropped_ns is None:
+            turn.dropped_ns = ts
+            self._emit_if_complete()
+
     def _played(self, frame) -> None:
         """The output transport played a clause to its end (its text), or some audio."""
         turn = self._answering
@@ -536,12 +557,12 @@ class ClocksObserver(BaseObserver):
             ),
             engine=engine,
             barge_in_to_silence_ms=(
-                _ms(turn.barge_in_ns, turn.audio_stopped_ns) if turn.interrupted_ns else None
+                _ms(turn.barge_in_ns, turn.silent_ns) if turn.interrupted_ns else None
             ),
             barge_in_detection_ms=(
-                _ms(turn.barge_in_ns, turn.interrupted_ns) if turn.audio_stopped_ns else None
+                _ms(turn.barge_in_ns, turn.interrupted_ns) if turn.silent_ns else None
             ),
-            interruption_to_silence_ms=_ms(turn.interrupted_ns, turn.audio_stopped_ns),
+            interruption_to_silence_ms=_ms(turn.interrupted_ns, turn.silent_ns),
             preparation=preparation,
             tool_calls=[run.record() for run in turn.tool_calls.values()],
         )

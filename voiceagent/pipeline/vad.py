@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 from pipecat.audio.vad.silero import SileroOnnxModel, SileroVADAnalyzer
 from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADParams, VADState
 from pipecat.frames.frames import Frame, InputAudioRawFrame, VADUserStartedSpeakingFrame
@@ -27,6 +28,10 @@ from voiceagent.pipeline.frames import (
     UserSpeechPausedFrame,
     UserSpeechResumedFrame,
 )
+
+VOICED_RMS = 328  # -40 dBFS (16-bit): a window this loud carries sound, not line silence
+ONSET_BACKTRACK_S = 0.4  # how far before Silero's first confident window speech may have begun
+LOUD_GAP_S = 0.1  # quiet inside a run of loud windows that still leaves it one run
 
 
 def load_vad_model(cfg: VADConfig) -> SileroOnnxModel:
@@ -48,19 +53,38 @@ class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
         self._windows_since_reset = 0
         self._low_confidence_windows = 0
         self._analysed_bytes = 0
+        self._loud_from: int | None = None  # where the run of loud windows up to now began
+        self._quiet_bytes = 0  # quiet audio since the last loud window
+        self._in_speech = False  # the VAD was speaking (or counting down its stop) last window
         # The byte offset, in the audio analysed so far, of the first voiced window of the speech
-        # now starting (None while quiet): voiced = Silero's confidence alone, before the
-        # smoothed volume that makes the VAD's start lag the first word.
+        # now starting (None while quiet): the run of loud windows that leads into the first
+        # window Silero is confident of, at most ONSET_BACKTRACK_S back. Silero's confidence
+        # lags a word's first sound (a fricative, a soft onset) by a window or more, and the
+        # VAD's own start lags it by start_secs and a smoothed volume.
         self.onset_byte: int | None = None
 
     def voice_confidence(self, buffer) -> float:
         confidence = super().voice_confidence(buffer)
-        if self._vad_state in (VADState.QUIET, VADState.STARTING):
-            if confidence < self._params.confidence:
-                self.onset_byte = None
-            elif self.onset_byte is None:
-                self.onset_byte = self._analysed_bytes
-        self._analysed_bytes += len(buffer)
+        start, self._analysed_bytes = self._analysed_bytes, self._analysed_bytes + len(buffer)
+        if self._vad_state not in (VADState.QUIET, VADState.STARTING):
+            self._in_speech = True
+            return confidence
+        if self._in_speech:  # the speech before has ended: the next one is found afresh
+            self._in_speech, self.onset_byte, self._loud_from = False, None, None
+        samples = np.frombuffer(buffer, np.int16).astype(np.float64)
+        if len(samples) and np.sqrt(np.mean(samples**2)) >= VOICED_RMS:
+            self._loud_from = start if self._loud_from is None else self._loud_from
+            self._quiet_bytes = 0
+        else:  # a word's stop closure ("s-t-op") is a short quiet gap inside the run
+            self._quiet_bytes += len(buffer)
+            if self._quiet_bytes > LOUD_GAP_S * self.sample_rate * 2:
+                self._loud_from = None
+        if confidence < self._params.confidence:
+            self.onset_byte = None
+        elif self.onset_byte is None:
+            earliest = start - int(ONSET_BACKTRACK_S * self.sample_rate) * 2
+            loud = self._loud_from if self._loud_from is not None else start
+            self.onset_byte = max(loud, earliest, 0)
         return confidence
 
     @property
