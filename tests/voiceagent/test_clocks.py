@@ -58,6 +58,20 @@ async def dropped_by_transport(obs, at_ms):
                                         FrameDirection.DOWNSTREAM, at_ms * MS, first_push=False))
 
 
+async def talked_over(obs, *, vad_ms, interruption_ms, dropped_ms, silent_ms, start_secs=0.2,
+                      onset_ms=None):
+    """A barge-in over the reply: the caller's onset (if the VAD found one), the VAD's start, the
+    interruption, the transport dropping its audio, the bot silent, the cancelled request's
+    stats."""
+    if onset_ms is not None:
+        await push(obs, UserSpeechOnsetFrame(onset_ns=onset_ms * MS), vad_ms)
+    await push(obs, VADUserStartedSpeakingFrame(start_secs=start_secs), vad_ms)
+    await push(obs, InterruptionFrame(), interruption_ms)
+    await dropped_by_transport(obs, dropped_ms)
+    await push(obs, BotStoppedSpeakingFrame(), silent_ms, src=OUT)
+    await push(obs, engine_metrics(interrupted=True), silent_ms + 10)
+
+
 def engine_metrics(interrupted=False, itl=(50.0, 0.0, 60.0)):
     stats = {"itl_ms": list(itl), "prefill_ms": 80.0, "method": "ngram"}
     data = EngineStatsMetricsData(
@@ -104,11 +118,8 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
     obs = ClocksObserver("call-1", records.append)
     await answered_turn(obs)
     # the caller talks over the bot from 2000; the VAD confirms it 100 ms later
-    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 2100)
-    await push(obs, InterruptionFrame(), 2120)
-    await dropped_by_transport(obs, 2140)
-    await push(obs, BotStoppedSpeakingFrame(), 2150, src=OUT)
-    await push(obs, engine_metrics(interrupted=True), 2160)
+    await talked_over(obs, vad_ms=2100, start_secs=0.1, interruption_ms=2120, dropped_ms=2140,
+                      silent_ms=2150)
     [r] = records
     assert r.interrupted and r.interruption_to_silence_ms == 30
     assert r.barge_in_to_silence_ms == 150  # from when the caller actually started
@@ -121,12 +132,8 @@ async def test_barge_in_is_timed_from_the_first_voiced_frame_in_detection_and_st
     await answered_turn(obs)
     # The caller's first voiced frame arrived at 2000; the VAD confirmed speech at 2450 (its
     # smoothed volume and start_secs), the interruption followed at 2470, silence at 2500.
-    await push(obs, UserSpeechOnsetFrame(onset_ns=2000 * MS), 2450)
-    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2450)
-    await push(obs, InterruptionFrame(), 2470)
-    await dropped_by_transport(obs, 2490)
-    await push(obs, BotStoppedSpeakingFrame(), 2500, src=OUT)
-    await push(obs, engine_metrics(interrupted=True), 2510)
+    await talked_over(obs, onset_ms=2000, vad_ms=2450, interruption_ms=2470, dropped_ms=2490,
+                      silent_ms=2500)
     [r] = records
     assert r.barge_in_to_silence_ms == 500  # not 250: the VAD's start minus start_secs
     assert (r.barge_in_detection_ms, r.interruption_to_silence_ms) == (470, 30)
@@ -166,11 +173,7 @@ async def test_an_interrupted_turn_keeps_the_words_its_played_audio_carried():
     await push(obs, TTSTextFrame("The time is 12:12:12.", text_type="sentence"), 2001, src=TTS)
     for i in range(6):  # 0.6 s of it played
         await push(obs, TTSAudioRawFrame(b"\0\0" * 1600, 16000, 1), 2100 + 100 * i, src=OUT)
-    await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2700)
-    await push(obs, InterruptionFrame(), 2710)
-    await dropped_by_transport(obs, 2715)
-    await push(obs, BotStoppedSpeakingFrame(), 2720, src=OUT)
-    await push(obs, engine_metrics(interrupted=True), 2730)
+    await talked_over(obs, vad_ms=2700, interruption_ms=2710, dropped_ms=2715, silent_ms=2720)
     [r] = records
     assert r.interrupted and r.bot_text == "It The time is"
 
