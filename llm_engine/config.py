@@ -110,13 +110,16 @@ class EngineConfig:
     draft: str | None = None  # a model name/path for method "draft"; the target itself is allowed
     eagle: str | None = None  # an EAGLE head (name/path) for method "eagle", trained for the target
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    # The weights' format; auto: bf16 on CUDA, fp16 on MPS, and on a CPU whichever of fp32 and
-    # bf16 is faster here, measured at load (bf16 only above format_min_agreement).
-    format: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # The weights' format: float32, bfloat16, float16, or the lean runner's weight-only int8 and
+    # q4 (a GGUF's Q4_1 codes as they are). auto: bf16 on CUDA, fp16 on MPS; on a CPU the fastest
+    # format here that keeps speculation bit-identical and agrees with fp32 above
+    # format_min_agreement, measured once per machine, model and torch version (cached).
+    format: Literal["auto", "float32", "bfloat16", "float16", "int8", "q4"] = "auto"
     format_min_agreement: float = 0.95  # teacher-forced top-1 agreement with fp32, 0..1
-    # How the target runs: eager (any HF causal LM) or compiled (static cache, torch.compile,
-    # CUDA graphs on a GPU); auto: compiled on CUDA, eager on a CPU.
-    runner: Literal["auto", "eager", "compiled"] = "auto"
+    # How the target runs: eager (any HF causal LM), compiled (static cache, torch.compile, CUDA
+    # graphs on a GPU) or lean (`llm_engine.lean`: the Llama family's forward of our own, for
+    # bfloat16, int8 and q4). auto: lean where it fits, else compiled on CUDA and eager on a CPU.
+    runner: Literal["auto", "eager", "compiled", "lean"] = "auto"
     max_context: int = 2048
     prefill_chunk: int = 256  # prompt tokens per engine step: bounds cancel latency and others' ITL
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default

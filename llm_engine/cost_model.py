@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -243,10 +244,24 @@ class CostModelCache:
         return model if model.key == key else None
 
     def save(self, model: CostModel) -> None:
-        path = self.path(model.key)
+        self._write(model.key, model.to_dict())
+
+    def load_record(self, key: dict) -> dict | None:
+        """Another measurement stored under a key (the format choice), or None."""
+        try:
+            data = json.loads(self.path(key).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) and data.get("key") == key else None
+
+    def save_record(self, key: dict, record: dict) -> None:
+        self._write(key, {**record, "key": key})
+
+    def _write(self, key: dict, data: dict) -> None:
+        path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(model.to_dict(), indent=1))
+        partial = path.with_suffix(f".{os.getpid()}.partial")  # two processes may measure at once
+        partial.write_text(json.dumps(data, indent=1))
         partial.replace(path)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from datetime import UTC, datetime
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from llm_engine.cost_model import CostModelCache
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.errors import IncompatiblePairError
 from llm_engine.formats import FormatResult
+from llm_engine.lean import llama as lean_llama
+from llm_engine.lean.runner import LeanRunner
 from llm_engine.loading import LoadedModel, load_causal_lm, model_bytes
 from llm_engine.pair_card import PairCard
 from llm_engine.prompts import encode_chat
@@ -37,7 +40,8 @@ def load_llm(
         resolved.location,
         name=name,
         device=engine.device,
-        dtype=engine.format,
+        # A weight-only format (int8, q4) is built by the lean runner from the loaded weights.
+        dtype=engine.format if engine.format in formats.FORMATS else "auto",
         cache_dir=Path(cache_dir).expanduser(),
         progress=progress,
     )
@@ -138,23 +142,27 @@ def build_runtime(
     target = load_llm(engine_cfg.target, engine_cfg, cache_dir, progress)
     format_results: list[FormatResult] = []
     if engine_cfg.format == "auto" and target.device == "cpu":
-        target, format_results = _choose_format(target, engine_cfg, measurements, progress)
+        runner, format_results = _choose_format(target, engine_cfg, measurements, progress)
+    else:
+        runner = make_runner(engine_cfg, target, engine_cfg.format)
+    if runner.format not in formats.FORMATS or runner.name == "lean":
+        target = dataclasses.replace(target, dtype=runner.format)  # the card names the format
     draft = load_draft(engine_cfg, target, cache_dir, progress) if "draft" in methods else None
     eagle = load_eagle(engine_cfg, target, progress) if "eagle" in methods else None
-    draft, eagle = (_in_format(d, target) for d in (draft, eagle))
+    draft, eagle = (_in_format(d, runner.model) for d in (draft, eagle))
     eagle_first = model_setting(engine_cfg.speculation.method) == "eagle"
     drafter, other = (eagle, draft) if eagle_first else (draft, eagle)
-    card = make_pair_card(target, drafter, engine_cfg, resident_bytes(target, draft, eagle))
+    card = make_pair_card(target, drafter, dataclasses.replace(engine_cfg, runner=runner.name),
+                          resident_bytes(target, draft, eagle))
     if other is not None:
         compatibility(target, other)  # a benchmark's other draft is checked too
-    runner = make_runner(engine_cfg, target.model)
     key = _cost_key(runner, target, draft, eagle, engine_cfg)
     costs = _cached(measurements, key, runner)
     if costs is None:
         progress(f"measuring the target's verify cost and drafting costs ({runner.format}, "
                  f"{runner.name} runner; cached in {measurements.folder})")
     engine = SpeculativeEngine(
-        target.model, target.tokenizer, engine_cfg, draft.model if draft else None,
+        runner.model, target.tokenizer, engine_cfg, draft.model if draft else None,
         eagle_head=eagle.model if eagle else None, runner=runner, cost_model=costs,
     )
     if costs is None:
@@ -167,29 +175,57 @@ def build_runtime(
 AGREEMENT_TEXTS = 16
 
 
-def make_runner(engine_cfg: EngineConfig, model: torch.nn.Module) -> TargetRunner:
-    """engine.runner; auto: compiled on CUDA (CUDA graphs), eager on a CPU, where compiling
-    costs minutes per row bucket at load and the static cache makes every step attend over the
-    whole context (README, "Runners and formats")."""
+def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str) -> TargetRunner:
+    """The target's runner in `fmt` (a concrete format). engine.runner auto: the lean forward for
+    bfloat16, int8 and q4 where it covers the architecture; the HF model as loaded otherwise,
+    compiled on CUDA (CUDA graphs), eager on a CPU, where compiling HF's model costs minutes per
+    row bucket and its static cache makes every step attend over the whole context."""
+    model = target.model
     kind = engine_cfg.runner
     if kind == "auto":
-        kind = "compiled" if next(model.parameters()).device.type == "cuda" else "eager"
+        lean_fits = fmt in ("bfloat16", "int8", "q4") and lean_llama.supports(model) is None
+        cuda = next(model.parameters()).device.type == "cuda"
+        kind = "lean" if lean_fits and (not cuda or fmt != "bfloat16") else \
+            ("compiled" if cuda else "eager")
+    if kind == "lean":
+        gguf = Path(target.source) if target.gguf_file else None
+        return LeanRunner(model, fmt, engine_cfg.max_context,
+                          engine_cfg.speculation.max_draft_tokens + 1, gguf)
+    if fmt not in formats.FORMATS:
+        raise ValueError(f"engine.format {fmt} needs engine.runner lean (or auto)")
+    if fmt != target.dtype:
+        model = formats.convert(model, fmt)
     if kind == "compiled":
         return CompiledRunner(model, engine_cfg.max_context)
     return EagerRunner(model)
 
 
 def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: CostModelCache,
-                   progress: Callable[[str], None]) -> tuple[LoadedModel, list[FormatResult]]:
-    """The target in the fastest format here whose output stays close enough to fp32's."""
+                   progress: Callable[[str], None]) -> tuple[TargetRunner, list[FormatResult]]:
+    """The target's runner in the fastest format here that keeps speculation lossless and its
+    output close enough to fp32's. Measured once per machine, model and torch version, and
+    cached, so every process on the machine runs the same format."""
     spec = engine_cfg.speculation
+    candidates = ["float32", "bfloat16"]
+    if engine_cfg.runner in ("auto", "lean") and lean_llama.supports(target.model) is None:
+        candidates += ["int8", "q4"]
+    choice_key = {**cost_model.machine_key(torch.device(target.device)), "part": "format",
+                  "target": cost_model.model_key(target.model), "file": target.file_sha256,
+                  "candidates": candidates, "runner": engine_cfg.runner,
+                  "max_rows": spec.max_draft_tokens + 1,
+                  "min_agreement": engine_cfg.format_min_agreement}
+    cached = measurements.load_record(choice_key)
+    if cached is not None:
+        progress(f"engine.format auto: {cached['chosen']} (measured on this machine "
+                 f"{cached['measured_at']}; cached in {measurements.folder})")
+        return make_runner(engine_cfg, target, cached["chosen"]), \
+            [FormatResult.from_dict(r) for r in cached["results"]]
 
-    def measure(model: torch.nn.Module, fmt: str):
-        runner = EagerRunner(model)
+    def measure(runner: TargetRunner, fmt: str):
         key = {**_cost_key(runner, target, None, None, engine_cfg), "part": "verify"}
         costs = _cached(measurements, key, runner)
         if costs is None:
-            progress(f"measuring the target's forward cost in {fmt}")
+            progress(f"measuring the target's forward cost in {fmt} ({runner.name} runner)")
             costs = cost_model.CostModel(
                 cost_model.measure_verify(runner, spec.max_draft_tokens + 1), 256, key=key)
             measurements.save(costs)
@@ -197,13 +233,14 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
 
     texts = [encode_chat(target.tokenizer, messages)
              for messages in heldout_conversations()[:AGREEMENT_TEXTS]]
-    model, fmt, results = formats.choose(
-        target.model, ["float32", "bfloat16"], measure, texts, spec.method,
-        spec.max_draft_tokens, engine_cfg.format_min_agreement, progress)
-    if model is target.model:
-        return target, results
-    return dataclasses.replace(target, model=model, dtype=fmt, param_bytes=model_bytes(model)), \
-        results
+    runner, fmt, results = formats.choose(
+        candidates, lambda f: make_runner(engine_cfg, target, f), measure,
+        make_runner(engine_cfg, target, "float32"), texts, spec.max_draft_tokens,
+        engine_cfg.format_min_agreement, progress)
+    measurements.save_record(choice_key, {
+        "chosen": fmt, "results": [r.to_dict() for r in results],
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds")})
+    return runner, results
 
 
 def _cached(measurements: CostModelCache, key: dict, runner: TargetRunner):
@@ -211,15 +248,18 @@ def _cached(measurements: CostModelCache, key: dict, runner: TargetRunner):
     return costs if costs is not None and cost_model.still_valid(costs, runner) else None
 
 
-def _in_format(drafter: LoadedModel | None, target: LoadedModel) -> LoadedModel | None:
-    """A drafter in the target's format (a compact draft or head is built over its tensors)."""
-    if drafter is None or drafter.model is target.model:
+def _in_format(drafter: LoadedModel | None, target_model: torch.nn.Module
+               ) -> LoadedModel | None:
+    """A drafter in the dtype of the target model the runner holds (a compact draft or head is
+    built over its tensors)."""
+    if drafter is None or drafter.model is target_model:
         return drafter
-    dtype = next(target.model.parameters()).dtype
+    dtype = next(target_model.parameters()).dtype
     if next(drafter.model.parameters()).dtype == dtype:
         return drafter
     drafter.model.to(dtype)
-    return dataclasses.replace(drafter, dtype=target.dtype, param_bytes=model_bytes(drafter.model))
+    return dataclasses.replace(drafter, dtype=str(dtype).removeprefix("torch."),
+                               param_bytes=model_bytes(drafter.model))
 
 
 def _cost_key(runner: TargetRunner, target: LoadedModel, draft: LoadedModel | None,
@@ -231,5 +271,6 @@ def _cost_key(runner: TargetRunner, target: LoadedModel, draft: LoadedModel | No
         "eagle": cost_model.model_key(eagle.model) if eagle else None,
         "format": runner.format,
         "runner": runner.name,
+        "rows": getattr(runner, "rows", "as-is"),  # the lean runner may pad short forwards
         "max_rows": engine_cfg.speculation.max_draft_tokens + 1,
     }

@@ -277,7 +277,8 @@ def test_every_mode_runs_in_each_other_format_against_that_formats_off(tmp_path)
                                other_formats={"bfloat16": other})
     assert modes == ["off", "ngram", "off@bfloat16", "ngram@bfloat16"]
     section = format_section({"float32": engine.cost_model, "bfloat16": other.cost_model},
-                             "float32", "eager", [], {})
+                             "float32", {"float32": engine.runner, "bfloat16": other.runner},
+                             [], {})
     report = build_report(records, modes, settings, prompt_set, engine, formats=section)
     summary = report["summary"]
     cells = {c["mode"]: c for c in summary["cells"]}
@@ -301,7 +302,7 @@ def test_unknown_formats_are_refused_before_loading():
 
 def test_a_cpu_bench_runs_fp32_and_bf16_side_by_side_by_default():
     s = settings_from_args(bench_args(), load_config(None, ["engine.device=cpu"]))
-    assert s.formats == ["float32", "bfloat16"]
+    assert s.formats == ["float32", "bfloat16", "int8", "q4"]
 
 
 # -- the tool-call segment ----------------------------------------------------------------------

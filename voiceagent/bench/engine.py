@@ -38,6 +38,7 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.grammar import parse_tool_call, tool_functions
 from llm_engine.prompts import encode_chat
 from llm_engine.proposers import check_method, model_setting
+from llm_engine.runner import EagerRunner
 from llm_engine.sampling import is_greedy
 from voiceagent import logs
 from voiceagent.bench.anchor import AnchorError, anchor_runner, connect
@@ -390,18 +391,21 @@ def build_report(
         "pair_card_hash": card.get("card_hash") if card else None,
         "pair_card": card,
         "machine": machine,
-        "summary": summarise(records, modes, _rounding(modes, (formats or {}).get("chosen"))),
+        "summary": summarise(records, modes, _rounding(modes, formats or {})),
         "formats": formats or {},
         "runs": [dataclasses.asdict(r) for r in records],
     }
 
 
-def _rounding(modes: list[str], chosen: str | None) -> list[str]:
-    """Engine modes in a format whose kernels round by row count: every one but fp32."""
-    def fmt_of(mode: str) -> str | None:
-        return mode.partition(FORMAT_MARK)[2] or chosen
+def _rounding(modes: list[str], section: dict) -> list[str]:
+    """Engine modes in a format whose runner's logits depend on the row count (HF's bf16 on a
+    CPU; a lean format whose invariance probe failed here): informative in the lossless check."""
+    identical = section.get("bit_identical", {})
 
-    return [m for m in modes if not is_baseline(m) and fmt_of(m) not in (None, "float32")]
+    def fmt_of(mode: str) -> str | None:
+        return mode.partition(FORMAT_MARK)[2] or section.get("chosen")
+
+    return [m for m in modes if not is_baseline(m) and identical.get(fmt_of(m)) is False]
 
 
 def report_header(report: dict) -> list[str]:
@@ -482,17 +486,17 @@ def settings_from_args(args, cfg: Config) -> BenchSettings:
 
 
 def _formats(args, cfg: Config) -> list[str]:
-    """--formats, else fp32 and bf16 side by side on a CPU (the choice `auto` makes there)."""
+    """--formats, else every format `auto` chooses among on a CPU, side by side."""
     if args.formats:
         names = [f.strip() for f in args.formats.split(",") if f.strip()]
-        unknown = [f for f in names if f not in formats.FORMATS]
+        unknown = [f for f in names if f not in formats.ALL_FORMATS]
         if unknown:
             raise ValueError(f"unknown format(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(formats.FORMATS)}")
+                             f"{', '.join(formats.ALL_FORMATS)}")
         return names
     on_cpu = cfg.engine.device == "cpu" or (
         cfg.engine.device == "auto" and not torch.cuda.is_available())
-    return ["float32", "bfloat16"] if on_cpu and not args.quick else []
+    return ["float32", "bfloat16", "int8", "q4"] if on_cpu and not args.quick else []
 
 
 def run_engine_bench(cfg: Config, args) -> int:
@@ -517,7 +521,7 @@ def run_engine_bench(cfg: Config, args) -> int:
     started, load_at_start = datetime.now(UTC), os.getloadavg()[0]
     drafters = settings.modes
     runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=drafters)
-    chosen = runtime.target.dtype
+    chosen = runtime.engine.runner.format
     others = {
         fmt_name: build_runtime(dataclasses.replace(cfg.engine, format=fmt_name),
                                 cfg.paths.cache_dir, say, also=drafters)
@@ -539,11 +543,14 @@ def run_engine_bench(cfg: Config, args) -> int:
     quality = {}
     if settings.quality:
         texts = [encode_chat(runtime.target.tokenizer, m) for m in heldout_conversations()]
-        quality = {name: formats.agreement(reference.target.model, rt.target.model, texts)
+        baseline = EagerRunner(reference.target.model)
+        quality = {name: formats.agreement(baseline, rt.engine.runner, texts)
                    for name, rt in {chosen: runtime, **others}.items() if name != "float32"}
+    everyone = {chosen: runtime, **others}
     section = format_section(
-        {name: rt.engine.cost_model for name, rt in {chosen: runtime, **others}.items()},
-        chosen, runtime.engine.runner.name, runtime.formats, quality)
+        {name: rt.engine.cost_model for name, rt in everyone.items()},
+        chosen, {name: rt.engine.runner for name, rt in everyone.items()}, runtime.formats,
+        quality)
     report = build_report(
         records, modes, settings, prompt_set, runtime.engine, runtime.card.to_dict(), started,
         load_at_start, section,

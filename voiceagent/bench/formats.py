@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from llm_engine import formats
 from llm_engine.cost_model import CostModel
+from llm_engine.runner import TargetRunner
 from voiceagent.figures import fmt
 
 
-def format_section(cost_models: dict[str, CostModel], chosen: str, runner: str,
-                   auto: list[formats.FormatResult], quality: dict[str, formats.Agreement]
-                   ) -> dict:
-    """cost_models: format -> the engine's measured cost model in that format."""
+def format_section(cost_models: dict[str, CostModel], chosen: str,
+                   runners: dict[str, TargetRunner], auto: list[formats.FormatResult],
+                   quality: dict[str, formats.Agreement]) -> dict:
+    """cost_models and runners: format -> the engine's measured cost model and its runner."""
     return {
         "chosen": chosen,
-        "runner": runner,
+        "runner": runners[chosen].name,
+        "runners": {f: r.name for f, r in runners.items()},
+        # Whether a row's logits are independent of the row count: HF's fp32 is treated as so
+        # (its differences are ~1e-5 and flip no choice in practice), HF's other formats are not.
+        "bit_identical": {f: getattr(r, "bit_identical", r.format == "float32")
+                          for f, r in runners.items()},
         "auto": [r.to_dict() for r in auto],
         "cost_models": {f: c.to_dict() for f, c in cost_models.items()},
         "quality": {f: vars(a) for f, a in quality.items()},

@@ -1,0 +1,126 @@
+"""Linear layers in the lean forward's weight formats, each one torch kernel.
+
+- dense (float32, bfloat16, float16): `F.linear`.
+- int8: weight-only, one scale per output channel, activations in bf16 (or the GPU's half type):
+  `aten._weight_int8pack_mm`.
+- q4: weight-only 4-bit in groups of 32 along the input, w = (q - 8) * scale + zero:
+  `aten._weight_int4pack_mm_for_cpu` on a CPU, `aten._weight_int4pack_mm` on CUDA (gpt-fast's
+  int4 path). A GGUF's Q4_1 blocks (w = d * q + m) map onto it with the codes unchanged:
+  scale = d, zero = m + 8d (`llm_engine.lean.gguf`).
+
+The kernels take activations in bf16: with fp32 activations both CPU kernels are 10-20x slower.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROUP = 32  # the q4 group: Q4_1's block
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight  # [out, in]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def dequantised(self) -> torch.Tensor:
+        return self.weight
+
+
+class Int8Linear(nn.Module):
+    """Per-output-channel symmetric int8 weights."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.codes = codes  # [out, in] int8
+        self.scales = scales  # [out] in the activation dtype
+        self.bias = bias
+
+    @classmethod
+    def quantise(cls, weight: torch.Tensor, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> Int8Linear:
+        w = weight.float()
+        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        codes = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
+        return cls(codes, scales.to(dtype), None if bias is None else bias.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return out if self.bias is None else out + self.bias
+
+    def dequantised(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
+
+
+class Int4Linear(nn.Module):
+    """4-bit codes in groups of GROUP inputs, packed for the device's int4 kernel."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 dtype: torch.dtype, bias: torch.Tensor | None = None):
+        """codes [out, in] integers 0..15; scales, zeros [out, in / GROUP]: w = (q - 8)*s + z."""
+        super().__init__()
+        out_features, in_features = codes.shape
+        if in_features % GROUP or out_features % 8:
+            raise ValueError(f"a q4 weight needs inputs in groups of {GROUP} and outputs in "
+                             f"eights; got {out_features} x {in_features}")
+        self.out_features, self.in_features = out_features, in_features
+        self.codes = codes.to(torch.uint8)  # kept unpacked: what the tests compare with the file
+        # The kernels want [in / GROUP, out, 2] (scale, zero) in the activation dtype.
+        self.scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        self.packed = _pack(self.codes)
+        self.bias = None if bias is None else bias.to(dtype)
+
+    @classmethod
+    def quantise(cls, weight: torch.Tensor, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> Int4Linear:
+        """Asymmetric min/max per group, for weights that did not come as 4-bit codes."""
+        w = weight.float().reshape(weight.shape[0], -1, GROUP)
+        low, high = w.amin(-1), w.amax(-1)
+        scales = ((high - low) / 15.0).clamp(min=1e-12)
+        codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15)
+        return cls(codes.reshape(weight.shape), scales, low + 8 * scales, dtype, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed.device.type == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP, self.scales_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
+                                                             self.scales_zeros)
+        return out if self.bias is None else out + self.bias
+
+    def dequantised(self) -> torch.Tensor:
+        sz = self.scales_zeros.float()  # [groups, out, 2]
+        scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [out, groups]
+        q = self.codes.float().reshape(self.out_features, -1, GROUP)
+        return ((q - 8) * scales[..., None] + zeros[..., None]).reshape(self.codes.shape)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    if codes.device.type == "cuda":  # two codes a byte, high nibble first, in 8 inner k-tiles
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()
+        return torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+
+
+def concat(layers: list[nn.Module]) -> nn.Module:
+    """One layer computing several side by side (fused QKV, fused gate/up): one kernel call."""
+    if len({type(layer) for layer in layers}) != 1:
+        raise ValueError("cannot fuse layers of different formats")
+    biases = [layer.bias for layer in layers]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise ValueError("cannot fuse layers where only some have a bias")
+    bias = None if biases[0] is None else torch.cat(biases)
+    first = layers[0]
+    if isinstance(first, DenseLinear):
+        return DenseLinear(torch.cat([layer.weight for layer in layers]), bias)
+    if isinstance(first, Int8Linear):
+        return Int8Linear(torch.cat([layer.codes for layer in layers]),
+                          torch.cat([layer.scales for layer in layers]), bias)
+    sz = torch.cat([layer.scales_zeros for layer in layers], dim=1)  # [groups, out, 2]
+    return Int4Linear(torch.cat([layer.codes for layer in layers]), sz[..., 0].t(),
+                      sz[..., 1].t(), sz.dtype, bias)

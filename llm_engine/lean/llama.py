@@ -1,0 +1,223 @@
+"""The lean forward for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2), gpt-fast style.
+
+Built over a loaded Hugging Face model's weights, in one of the lean formats: fused QKV and
+gate/up projections, a static KV cache written in place, `scaled_dot_product_attention`, and a
+few dozen operators per layer where HF's eager model issues ~50. HF's model stays the reference
+(the formats' agreement is measured against it) and the fallback for other architectures.
+
+Numerics follow HF's: RMSNorm in fp32, rotary tables from the model's own `rotary_emb` (so every
+rope scaling HF knows, Llama 3's included), attention in the activation dtype, logits in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llm_engine.lean import linear
+from llm_engine.lean.gguf import read_q4_1
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "q4")
+# Forwards of up to ROWS rows attend row-invariantly over keys rounded up to KEY_BLOCK.
+ROWS = 16
+KEY_BLOCK = 64
+
+
+def supports(model: nn.Module) -> str | None:
+    """None when the lean forward can run this model, else why not."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"the lean forward covers {', '.join(SUPPORTED)}, not {kind}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act} is not silu"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(config, "rope_scaling", None) and \
+            (config.rope_scaling.get("rope_type") or config.rope_scaling.get("type")) == "dynamic":
+        return "dynamic rope scaling"
+    return None
+
+
+def activation_dtype(fmt: str, device: torch.device) -> torch.dtype:
+    if fmt == "float32":
+        return torch.float32
+    if fmt == "float16":
+        return torch.float16
+    if fmt in ("int8", "q4") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+@dataclass
+class LeanCache:
+    """Keys and values of every layer, [layers, kv_heads, max_len, head_dim]; `length` positions
+    are valid. A crop only moves the counter."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+
+class _Layer(nn.Module):
+    def __init__(self, qkv, o, gate_up, down, norm1, norm2):
+        super().__init__()
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.norm1, self.norm2 = norm1, norm2
+
+
+class LeanLlama(nn.Module):
+    def __init__(self, model: nn.Module, fmt: str, gguf_file: str | Path | None = None):
+        super().__init__()
+        reason = supports(model)
+        if reason:
+            raise ValueError(f"{type(model).__name__}: {reason}")
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown lean format {fmt!r}; known: {', '.join(FORMATS)}")
+        config = model.config
+        self.format = fmt
+        self.device = next(model.parameters()).device
+        self.dtype = activation_dtype(fmt, self.device)
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        decoder = model.get_decoder()
+        rotary = decoder.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        codes = read_q4_1(gguf_file, self.heads, self.kv_heads) \
+            if fmt == "q4" and gguf_file else {}
+        params = dict(model.named_parameters())
+
+        def proj(module: nn.Linear) -> nn.Module:
+            name = next(n for n, p in params.items() if p is module.weight)
+            return self._linear(module, codes.get(name))
+
+        self.layers = nn.ModuleList()
+        for block in decoder.layers:
+            attn, mlp = block.self_attn, block.mlp
+            self.layers.append(_Layer(
+                linear.concat([proj(attn.q_proj), proj(attn.k_proj), proj(attn.v_proj)]),
+                proj(attn.o_proj),
+                linear.concat([proj(mlp.gate_proj), proj(mlp.up_proj)]),
+                proj(mlp.down_proj),
+                block.input_layernorm.weight.detach().to(self.dtype),
+                block.post_attention_layernorm.weight.detach().to(self.dtype),
+            ))
+        self.norm = decoder.norm.weight.detach().to(self.dtype)
+        self.embed = decoder.embed_tokens.weight.detach().to(self.dtype)
+        head = model.get_output_embeddings()
+        self.head = self._dense(head) if fmt in ("float32", "bfloat16", "float16") else \
+            linear.Int8Linear.quantise(head.weight.detach(), self.dtype, _bias(head))
+        self.q4_from_file = len(codes)
+
+    def _linear(self, module: nn.Linear, q4: object | None) -> nn.Module:
+        weight, bias = module.weight.detach(), _bias(module)
+        if self.format == "q4":
+            if q4 is not None:
+                return linear.Int4Linear(q4.codes.to(self.device), q4.scales.to(self.device),
+                                         q4.zeros.to(self.device), self.dtype, _to(bias, self.dtype))
+            return linear.Int4Linear.quantise(weight, self.dtype, bias)
+        if self.format == "int8":
+            return linear.Int8Linear.quantise(weight, self.dtype, bias)
+        return self._dense(module)
+
+    def _dense(self, module: nn.Linear) -> linear.DenseLinear:
+        return linear.DenseLinear(module.weight.detach().to(self.dtype),
+                                  _to(_bias(module), self.dtype))
+
+    def new_cache(self, max_len: int) -> LeanCache:
+        shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
+        # zeros: a row attends over keys up to the next KEY_BLOCK, masked, and a masked key's
+        # value must be finite (0 x NaN is NaN)
+        return LeanCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                         torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * self.rope_scale).to(self.dtype),
+                (emb.sin() * self.rope_scale).to(self.dtype))
+
+    def forward(self, ids: torch.Tensor, cache: LeanCache, start: int) -> torch.Tensor:
+        """ids [n] at positions start .. start + n - 1 on top of the cache, which gets their keys
+        and values. Returns the final hidden states [n, hidden].
+
+        A forward of up to `ROWS` rows (decode and verify) attends with `_attend_rows`, whose
+        result for a row does not depend on the row count; longer ones (prefill) with SDPA."""
+        n = ids.shape[0]
+        x = self.embed[ids]
+        positions = torch.arange(start, start + n, device=ids.device)
+        cos, sin = self.rope(positions)
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        short = n <= ROWS
+        keys = min(-(-(start + n) // KEY_BLOCK) * KEY_BLOCK, cache.k.shape[2]) if short \
+            else start + n
+        visible = torch.arange(keys, device=ids.device)[None, :] <= positions[:, None]
+        if short:  # one row per (query head, position), grouped by key head: [n * groups, keys]
+            bias = torch.zeros(visible.shape, device=ids.device).masked_fill_(
+                ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(_rms(x, layer.norm1, self.eps))
+            q = qkv[:, :q_width].view(n, self.heads, self.head_dim)
+            k = qkv[:, q_width:q_width + kv_width].view(n, self.kv_heads, self.head_dim)
+            v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, self.head_dim)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            cache.k[i, :, start:start + n] = k.transpose(0, 1)
+            cache.v[i, :, start:start + n] = v.transpose(0, 1)
+            keys_i, values_i = cache.k[i, :, :keys], cache.v[i, :, :keys]
+            if short:
+                attn = self._attend_rows(q, keys_i, values_i, bias)
+            else:
+                attn = nn.functional.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None], keys_i[None], values_i[None], attn_mask=visible,
+                    enable_gqa=self.heads != self.kv_heads)[0].transpose(0, 1).reshape(n, q_width)
+            x = x + layer.o(attn)
+            gate, up = layer.gate_up(_rms(x, layer.norm2, self.eps)).chunk(2, dim=-1)
+            x = x + layer.down(nn.functional.silu(gate) * up)
+        return _rms(x, self.norm, self.eps)
+
+    def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     bias: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, dim] over keys/values [kv_heads, L, dim], L a multiple of KEY_BLOCK.
+
+        Each query row is reduced over the same L whatever the row count, the masked keys adding
+        exact zeros, so a row's output is the same in a 1-row step and in a verify (checked at
+        load by `llm_engine.lean.runner.probe_invariance`, for the kernels at hand)."""
+        n, groups = q.shape[0], self.heads // self.kv_heads
+        grouped = q.view(n, self.kv_heads, groups, self.head_dim).permute(1, 0, 2, 3)
+        scores = torch.bmm(grouped.reshape(self.kv_heads, n * groups, self.head_dim),
+                           keys.transpose(1, 2)).float() * self.head_dim ** -0.5
+        probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
+        out = torch.bmm(probs, values)  # [kv_heads, n * groups, dim]
+        return out.view(self.kv_heads, n, groups, self.head_dim).permute(1, 0, 2, 3) \
+            .reshape(n, self.heads * self.head_dim)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _bias(module: nn.Linear) -> torch.Tensor | None:
+    return None if module.bias is None else module.bias.detach()
+
+
+def _to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)

@@ -1,0 +1,100 @@
+"""`LeanRunner`: the target through the lean forward (`llm_engine.lean.llama`), in a lean format.
+
+Speculation is lossless only if a position's logits do not depend on how many rows the forward
+carried: a plain step runs 1 row, a verify k + 1, and greedy output must be token-identical.
+`probe_invariance` checks that on the machine at hand, for every row count the engine uses and
+every row, bit for bit. Where the kernels pass (the q4 and int8 kernels and bf16 attention on the
+CPUs measured so far), rows run as they come; where they do not, every short forward is padded to
+the verify's row count, so plain steps run in the verify's shape, and the probe is run again.
+The runner records which (`rows`: "as-is" or "padded") and whether it holds (`bit_identical`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llm_engine.lean.llama import ROWS, LeanCache, LeanLlama
+from llm_engine.runner import Forward, TargetRunner
+
+log = logging.getLogger(__name__)
+
+
+class LeanRunner(TargetRunner):
+    name = "lean"
+
+    def __init__(self, model: nn.Module, fmt: str, max_cache_len: int, max_rows: int,
+                 gguf_file: str | Path | None = None):
+        super().__init__(model)
+        if max_rows > ROWS:
+            raise ValueError(f"the lean runner verifies at most {ROWS} rows, not {max_rows}")
+        self.lean = LeanLlama(model, fmt, gguf_file)
+        self.dtype = self.lean.dtype
+        self._format = fmt
+        self.max_cache_len = max_cache_len
+        self.max_rows = max_rows
+        self.pad_to = 0  # 0: rows as they come
+        self.bit_identical = probe_invariance(self, max_rows)
+        if not self.bit_identical:
+            self.pad_to = max_rows
+            self.bit_identical = probe_invariance(self, max_rows)
+            if not self.bit_identical:
+                log.warning("lean %s: a position's logits depend on the forward's row count "
+                            "even in one shape; speculation may differ from plain decoding", fmt)
+
+    @property
+    def format(self) -> str:
+        return self._format
+
+    @property
+    def rows(self) -> str:
+        return "padded" if self.pad_to else "as-is"
+
+    def new_cache(self) -> LeanCache:
+        return self.lean.new_cache(self.max_cache_len)
+
+    def length(self, cache: LeanCache) -> int:
+        return cache.length
+
+    def crop(self, cache: LeanCache, length: int) -> None:
+        cache.length = min(cache.length, length)
+
+    @torch.inference_mode()
+    def forward(self, cache: LeanCache, input_ids: torch.Tensor,
+                last_only: bool = False) -> Forward:
+        ids = input_ids[0]
+        n, start = ids.shape[0], cache.length
+        if start + n > self.max_cache_len:
+            raise ValueError(f"{start + n} positions exceed the cache ({self.max_cache_len})")
+        run = ids
+        if n < self.pad_to and start + self.pad_to <= self.max_cache_len:
+            # The padding's keys land past the cache's length: never attended, overwritten later.
+            run = torch.cat([ids, ids[-1:].expand(self.pad_to - n)])
+        hidden = self.lean(run, cache, start)[:n]
+        cache.length = start + n
+        return Forward(self.lean.logits(hidden[-1:] if last_only else hidden), hidden)
+
+
+@torch.inference_mode()
+def probe_invariance(runner: LeanRunner, max_rows: int, context: int = 70) -> bool:
+    """Whether every row of every forward of 2 .. max_rows rows gives the logits of the same
+    position run alone, bit for bit, at two offsets within a key block and across one."""
+    vocab = runner.lean.vocab
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, context + max_rows + 4), generator=generator)
+    ids = ids.to(runner.device)
+    cache = runner.new_cache()
+    for start in (context - 14, context - 4):  # the second spans a key-block edge (64)
+        runner.crop(cache, 0)
+        runner.forward(cache, ids[:, :start], last_only=True)
+        alone = torch.cat([runner.forward(cache, ids[:, start + j:start + j + 1]).logits
+                           for j in range(max_rows)])
+        for rows in range(2, max_rows + 1):
+            runner.crop(cache, start)
+            together = runner.forward(cache, ids[:, start:start + rows]).logits
+            if not torch.equal(together, alone[:rows]):
+                return False
+    return True

@@ -1,0 +1,123 @@
+"""The lean runner (`llm_engine.lean`) on tiny random Llamas: the forward against HF's, a row's
+logits independent of the row count in every format, and greedy speculation equal to `off`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.lean import linear
+from llm_engine.lean.llama import LeanLlama, supports
+from llm_engine.lean.runner import LeanRunner
+from llm_engine.runner import EagerRunner
+from tests.llm_engine.test_engine import NEW_TOKENS, hf_greedy, random_prompts, run
+
+MAX_ROWS = 6  # K_max + 1 with max_draft_tokens 5
+LEAN_FORMATS = ["bfloat16", "int8", "q4"]
+
+
+def lean(target, fmt: str) -> LeanRunner:
+    return LeanRunner(target, fmt, max_cache_len=256, max_rows=MAX_ROWS)
+
+
+def test_the_float32_lean_forward_computes_hfs_logits(target):
+    runner = lean(target, "float32")
+    ids = torch.tensor([random_prompts(target.config.vocab_size, 1, seed=3)[0]])
+    with torch.inference_mode():
+        got = runner.forward(runner.new_cache(), ids).logits
+        want = target(ids).logits[0]
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", LEAN_FORMATS)
+def test_a_rows_logits_do_not_depend_on_how_many_rows_the_forward_carried(target, fmt):
+    runner = lean(target, fmt)
+    ids = torch.tensor([random_prompts(target.config.vocab_size, 1, seed=5)[0] * 4])
+    start = 60  # the rows cross a 64-key block
+    cache = runner.new_cache()
+    with torch.inference_mode():
+        runner.forward(cache, ids[:, :start])
+        alone = []
+        for j in range(MAX_ROWS):
+            alone.append(runner.forward(cache, ids[:, start + j:start + j + 1]).logits)
+        for rows in range(1, MAX_ROWS + 1):
+            runner.crop(cache, start)
+            together = runner.forward(cache, ids[:, start:start + rows]).logits
+            for row in range(rows):
+                assert torch.equal(together[row], alone[row][0]), (rows, row)
+    assert runner.bit_identical
+
+
+@pytest.mark.parametrize("fmt", ["q4", "bfloat16"])
+def test_greedy_speculation_on_the_lean_runner_equals_its_plain_decoding(
+        target, draft, tokenizer, fmt):
+    runner = lean(target, fmt)
+    config = EngineConfig(sampling=SamplingConfig(max_new_tokens=NEW_TOKENS), max_context=256,
+                          speculation=SpeculationConfig(method="off", max_draft_tokens=5))
+    off = SpeculativeEngine(target, tokenizer, config, runner=runner)
+    engines = {
+        method: SpeculativeEngine(
+            target, tokenizer, EngineConfig(
+                sampling=config.sampling, max_context=256,
+                speculation=SpeculationConfig(method=method, max_draft_tokens=5, gate=False)),
+            draft_model=model, runner=runner, cost_model=off.cost_model)
+        for method, model in (("ngram", None), ("draft", target), ("draft", draft))
+    }
+    for prompt in random_prompts(len(tokenizer), 20, seed=11):
+        want, _ = run(off, prompt)
+        for method, engine in engines.items():
+            got, _ = run(engine, prompt)
+            assert got == want, method
+
+
+def test_lean_q4_greedy_mostly_follows_the_float32_model(target, tokenizer):
+    """Quantised, the output moves a little, not wholesale: a sanity bound, not losslessness."""
+    runner = lean(target, "q4")
+    config = EngineConfig(sampling=SamplingConfig(max_new_tokens=8), max_context=256)
+    engine = SpeculativeEngine(target, tokenizer, config, runner=runner)
+    prompts = random_prompts(len(tokenizer), 10, seed=2)
+    same = sum(run(engine, p)[0][:1] == hf_greedy(target, p, 1) for p in prompts)
+    assert same >= 7
+
+
+def test_q4_quantisation_rounds_each_weight_to_its_groups_grid():
+    torch.manual_seed(0)
+    weight = torch.randn(16, 64)
+    layer = linear.Int4Linear.quantise(weight, torch.float32)
+    step = (weight.reshape(16, 2, 32).amax(-1) - weight.reshape(16, 2, 32).amin(-1)) / 15
+    error = (layer.dequantised() - weight).abs().reshape(16, 2, 32)
+    assert (error <= step[..., None] / 2 + 1e-6).all()
+    assert layer.codes.max() <= 15
+
+
+def test_int8_quantisation_keeps_each_weight_within_half_a_step():
+    torch.manual_seed(0)
+    weight = torch.randn(16, 64)
+    layer = linear.Int8Linear.quantise(weight, torch.float32)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((layer.dequantised() - weight).abs() <= step / 2 + 1e-6).all()
+
+
+def test_an_architecture_outside_the_family_is_refused_with_the_reason():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    assert "gpt2" in supports(model)
+    with pytest.raises(ValueError, match="lean forward covers"):
+        LeanLlama(model, "q4")
+
+
+def test_the_runners_agree_on_cache_bookkeeping(target):
+    runner, eager = lean(target, "q4"), EagerRunner(target)
+    for r in (runner, eager):
+        cache = r.new_cache()
+        with torch.inference_mode():
+            out = r.forward(cache, torch.tensor([[5, 6, 7, 8]]), last_only=True)
+        assert out.logits.shape == (1, target.config.vocab_size) and out.hidden.shape[0] == 4
+        assert r.length(cache) == 4
+        r.crop(cache, 2)
+        assert r.length(cache) == 2
+    with pytest.raises(ValueError, match="exceed the cache"):
+        runner.forward(runner.new_cache(), torch.zeros((1, 300), dtype=torch.long))

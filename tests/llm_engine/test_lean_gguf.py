@@ -1,0 +1,63 @@
+"""q4 on the embedded target: the GGUF's Q4_1 codes go into the kernel unchanged, and greedy
+speculation on the lean runner is token-identical to its plain decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.lean.gguf import read_q4_1
+from llm_engine.lean.runner import LeanRunner
+from llm_engine.prompts import encode_chat
+from voiceagent.bench.prompt_sets import heldout_conversations
+
+
+@pytest.fixture(scope="module")
+def q4(smollm2):
+    return LeanRunner(smollm2.model, "q4", 1024, 11, Path(smollm2.source))
+
+
+def test_the_readers_q4_1_blocks_are_what_transformers_de_quantised(smollm2):
+    config = smollm2.model.config
+    blocks = read_q4_1(smollm2.source, config.num_attention_heads, config.num_key_value_heads)
+    params = dict(smollm2.model.named_parameters())
+    assert len(blocks) == 7 * config.num_hidden_layers
+    for name, weight in blocks.items():
+        assert torch.equal(weight.dequantised(), params[name].detach()), name
+
+
+def test_the_q4_codes_are_the_ggufs_and_only_scales_and_zeros_round(smollm2, q4):
+    config = smollm2.model.config
+    blocks = read_q4_1(smollm2.source, config.num_attention_heads, config.num_key_value_heads)
+    layer = q4.lean.layers[3]
+    names = [f"model.layers.3.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert torch.equal(layer.qkv.codes, torch.cat([blocks[n].codes for n in names]))
+    file = torch.cat([blocks[n].dequantised() for n in names])
+    ours = layer.qkv.dequantised()
+    # bf16 keeps 8 bits of the scale and zero: a weight moves by at most 9 of their ulps
+    scales = torch.cat([blocks[n].scales for n in names]).repeat_interleave(32, dim=1)
+    zeros = torch.cat([blocks[n].zeros for n in names]).repeat_interleave(32, dim=1)
+    bound = (8 * scales.abs() + zeros.abs()) * 2.0 ** -8
+    assert ((ours - file).abs() <= bound).all()
+    assert not torch.equal(ours, file)  # the rounding is real: the test would see a change
+
+
+def test_greedy_speculation_on_q4_equals_plain_decoding_on_20_held_out_prompts(smollm2, q4):
+    def engine(method: str, **extra) -> SpeculativeEngine:
+        config = EngineConfig(sampling=SamplingConfig(max_new_tokens=24), max_context=1024,
+                              speculation=SpeculationConfig(method=method, gate=False))
+        return SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, runner=q4,
+                                 cost_model=None if method == "off" else off.cost_model, **extra)
+
+    off = engine("off")
+    others = [engine("ngram"), engine("draft", draft_model=smollm2.model)]
+    for messages in heldout_conversations()[:20]:
+        prompt = encode_chat(smollm2.tokenizer, messages)
+        want = off.generate(prompt)
+        want = [t for step in want for t in step]
+        for other in others:
+            assert [t for step in other.generate(prompt) for t in step] == want
