@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from datetime import UTC, datetime
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch

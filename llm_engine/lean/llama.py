@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from llm_engine.lean import linear
-from llm_engine.lean.gguf import read_q4_1
+from llm_engine.lean.gguf import Q4Weight, read_q4_1
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 FORMATS = ("float32", "bfloat16", "float16", "int8", "q4")
@@ -117,12 +117,12 @@ class LeanLlama(nn.Module):
             linear.Int8Linear.quantise(head.weight.detach(), self.dtype, _bias(head))
         self.q4_from_file = len(codes)
 
-    def _linear(self, module: nn.Linear, q4: object | None) -> nn.Module:
+    def _linear(self, module: nn.Linear, q4: Q4Weight | None) -> nn.Module:
         weight, bias = module.weight.detach(), _bias(module)
         if self.format == "q4":
-            if q4 is not None:
-                return linear.Int4Linear(q4.codes.to(self.device), q4.scales.to(self.device),
-                                         q4.zeros.to(self.device), self.dtype, _to(bias, self.dtype))
+            if q4 is not None:  # the file's codes, unchanged
+                codes, scales, zeros = (t.to(self.device) for t in (q4.codes, q4.scales, q4.zeros))
+                return linear.Int4Linear(codes, scales, zeros, self.dtype, _to(bias, self.dtype))
             return linear.Int4Linear.quantise(weight, self.dtype, bias)
         if self.format == "int8":
             return linear.Int8Linear.quantise(weight, self.dtype, bias)
