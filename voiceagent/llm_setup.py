@@ -19,6 +19,7 @@ from llm_engine.cost_model import CostModelCache
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.errors import IncompatiblePairError
 from llm_engine.formats import FormatResult
+from llm_engine.lean import linear as lean_linear
 from llm_engine.lean import llama as lean_llama
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.loading import LoadedModel, load_causal_lm, model_bytes
@@ -208,7 +209,7 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
     spec = engine_cfg.speculation
     candidates = ["float32", "bfloat16"]
     if engine_cfg.runner in ("auto", "lean") and lean_llama.supports(target.model) is None:
-        candidates += ["int8", "q4"]
+        candidates += [f for f in ("int8", "q4") if lean_linear.available(f, torch.device("cpu"))]
     choice_key = {**cost_model.machine_key(torch.device(target.device)), "part": "format",
                   "target": cost_model.model_key(target.model), "file": target.file_sha256,
                   "candidates": candidates, "runner": engine_cfg.runner,

@@ -19,6 +19,15 @@ from torch import nn
 GROUP = 32  # the q4 group: Q4_1's block
 
 
+def available(fmt: str, device: torch.device) -> bool:
+    """Whether this torch has the kernel a weight-only format needs on the device."""
+    ops = torch.ops.aten
+    if fmt == "q4":
+        return hasattr(ops, "_weight_int4pack_mm" if device.type == "cuda"
+                       else "_weight_int4pack_mm_for_cpu")
+    return fmt != "int8" or hasattr(ops, "_weight_int8pack_mm")
+
+
 class DenseLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()

@@ -81,6 +81,9 @@ class LeanLlama(nn.Module):
         config = model.config
         self.format = fmt
         self.device = next(model.parameters()).device
+        if not linear.available(fmt, self.device):
+            raise ValueError(f"torch {torch.__version__} has no {fmt} kernel for "
+                             f"{self.device.type}; use another engine.format")
         self.dtype = activation_dtype(fmt, self.device)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -165,10 +168,10 @@ class LeanLlama(nn.Module):
                 ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms(x, layer.norm1, self.eps))
-            q = qkv[:, :q_width].view(n, self.heads, self.head_dim)
-            k = qkv[:, q_width:q_width + kv_width].view(n, self.kv_heads, self.head_dim)
+            # queries and keys rotated in one pass: elementwise, so the same numbers as apart
+            qk = _rotate(qkv[:, :q_width + kv_width].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
             v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, self.head_dim)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             cache.k[i, :, start:start + n] = k.transpose(0, 1)
             cache.v[i, :, start:start + n] = v.transpose(0, 1)
             keys_i, values_i = cache.k[i, :, :keys], cache.v[i, :, :keys]

@@ -3,6 +3,8 @@ logits independent of the row count in every format, and greedy speculation equa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -121,3 +123,23 @@ def test_the_runners_agree_on_cache_bookkeeping(target):
         assert r.length(cache) == 2
     with pytest.raises(ValueError, match="exceed the cache"):
         runner.forward(runner.new_cache(), torch.zeros((1, 300), dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_on_a_gpu_the_weight_only_formats_are_row_invariant_and_lossless(tokenizer, fmt):
+    from tests.llm_engine.tiny_models import make_model
+
+    model = make_model(len(tokenizer), seed=0, hidden=256).to("cuda")
+    runner = LeanRunner(model, fmt, max_cache_len=256, max_rows=MAX_ROWS)
+    assert runner.bit_identical
+    config = EngineConfig(sampling=SamplingConfig(max_new_tokens=NEW_TOKENS), max_context=256,
+                          speculation=SpeculationConfig(method="draft", max_draft_tokens=5,
+                                                        gate=False))
+    off = SpeculativeEngine(model, tokenizer, dataclasses.replace(
+        config, speculation=SpeculationConfig(method="off", max_draft_tokens=5)), runner=runner)
+    spec = SpeculativeEngine(model, tokenizer, config, draft_model=model, runner=runner,
+                             cost_model=off.cost_model)
+    for prompt in random_prompts(len(tokenizer), 5, seed=4):
+        assert run(spec, prompt)[0] == run(off, prompt)[0]
