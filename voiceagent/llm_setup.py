@@ -163,7 +163,7 @@ def build_runtime(
         progress(f"measuring the target's verify cost and drafting costs ({runner.format}, "
                  f"{runner.name} runner; cached in {measurements.folder})")
     engine = SpeculativeEngine(
-        runner.model, target.tokenizer, engine_cfg, draft.model if draft else None,
+        runner.model, target.tokenizer, engine_cfg, _drafting(draft, runner, engine_cfg),
         eagle_head=eagle.model if eagle else None, runner=runner, cost_model=costs,
     )
     if costs is None:
@@ -199,6 +199,19 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str) -> Targ
     if kind == "compiled":
         return CompiledRunner(model, engine_cfg.max_context)
     return EagerRunner(model)
+
+
+def _drafting(draft: LoadedModel | None, runner: TargetRunner, engine_cfg: EngineConfig):
+    """What the draft proposer runs: on the lean runner's path when the target is on it (the
+    target drafting for itself shares its runner), else the draft's HF model."""
+    if draft is None:
+        return None
+    if not isinstance(runner, LeanRunner) or lean_llama.supports(draft.model) is not None:
+        return draft.model
+    if draft.model is runner.model:
+        return runner
+    return LeanRunner(draft.model, runner.format, engine_cfg.max_context,
+                      engine_cfg.speculation.max_draft_tokens + 1, probe=False)
 
 
 def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: CostModelCache,

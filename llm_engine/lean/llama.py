@@ -89,7 +89,7 @@ class LeanLlama(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
-        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.vocab = model.config.vocab_size
         decoder = model.get_decoder()
         rotary = decoder.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
@@ -116,8 +116,12 @@ class LeanLlama(nn.Module):
         self.norm = decoder.norm.weight.detach().to(self.dtype)
         self.embed = decoder.embed_tokens.weight.detach().to(self.dtype)
         head = model.get_output_embeddings()
-        self.head = self._dense(head) if fmt in ("float32", "bfloat16", "float16") else \
-            linear.Int8Linear.quantise(head.weight.detach(), self.dtype, _bias(head))
+        if not isinstance(head, nn.Linear):  # a compact draft's reduced-vocabulary head
+            self.head = _OwnHead(head)
+        elif fmt in ("float32", "bfloat16", "float16"):
+            self.head = self._dense(head)
+        else:
+            self.head = linear.Int8Linear.quantise(head.weight.detach(), self.dtype, _bias(head))
         self.q4_from_file = len(codes)
 
     def _linear(self, module: nn.Linear, q4: Q4Weight | None) -> nn.Module:
@@ -136,6 +140,8 @@ class LeanLlama(nn.Module):
                                   _to(_bias(module), self.dtype))
 
     def new_cache(self, max_len: int) -> LeanCache:
+        # whole key blocks, so that a row near the end attends over a block too
+        max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
         # zeros: a row attends over keys up to the next KEY_BLOCK, masked, and a masked key's
         # value must be finite (0 x NaN is NaN)
@@ -160,8 +166,7 @@ class LeanLlama(nn.Module):
         cos, sin = self.rope(positions)
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         short = n <= ROWS
-        keys = min(-(-(start + n) // KEY_BLOCK) * KEY_BLOCK, cache.k.shape[2]) if short \
-            else start + n
+        keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK if short else start + n
         visible = torch.arange(keys, device=ids.device)[None, :] <= positions[:, None]
         if short:  # one row per (query head, position), grouped by key head: [n * groups, keys]
             bias = torch.zeros(visible.shape, device=ids.device).masked_fill_(
@@ -204,6 +209,18 @@ class LeanLlama(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
+
+
+class _OwnHead(nn.Module):
+    """A head that is not a plain linear layer, run as it is, in its own dtype."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.module = head
+        self.dtype = next(head.parameters()).dtype
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.module(hidden.to(self.dtype))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

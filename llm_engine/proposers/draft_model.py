@@ -1,10 +1,12 @@
 """`draft`: an independent causal LM proposes k tokens, one cached forward each.
 
 Any Hugging Face causal LM that shares the target's vocabulary can draft, including the target
-itself (then every draft is accepted). The proposer owns the draft's KV cache and keeps the same
-invariant as the engine's target cache (`llm_engine.kv`): it only holds committed tokens, and
-tokens it has not seen yet (the recovered or bonus token, gated plain steps) are fed at the start
-of the next proposal.
+itself (then every draft is accepted). It runs through a target runner's interface: the HF model
+eagerly, or a runner given instead of the model (the lean runner, `llm_engine.lean`, puts a
+Llama-family draft on the same cheap path as the target). The proposer owns the draft's KV cache
+and keeps the same invariant as the engine's target cache (`llm_engine.kv`): it only holds
+committed tokens, and tokens it has not seen yet (the recovered or bonus token, gated plain steps)
+are fed at the start of the next proposal.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from llm_engine import kv
 from llm_engine.config import SpeculationConfig
 from llm_engine.proposers.base import Draft, ProposeContext, Proposer, register
+from llm_engine.runner import EagerRunner, TargetRunner
 
 
 @register("draft")
@@ -21,15 +24,16 @@ class DraftModelProposer(Proposer):
     model_setting = "draft"
     samples_drafts = True
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.cache = kv.new_cache(model)
+    def __init__(self, model: torch.nn.Module | TargetRunner):
+        self.runner = model if isinstance(model, TargetRunner) else EagerRunner(model)
+        self.device = self.runner.device
+        self.cache = self.runner.new_cache()
         self._cached: list[int] = []  # the tokens whose positions are in self.cache
         self._last_k = 0
 
     @classmethod
-    def create(cls, spec: SpeculationConfig, draft_model: torch.nn.Module | None = None):
+    def create(cls, spec: SpeculationConfig,
+               draft_model: torch.nn.Module | TargetRunner | None = None):
         if draft_model is None:
             raise ValueError("speculation method 'draft' needs a draft model")
         return cls(draft_model)
@@ -48,7 +52,7 @@ class DraftModelProposer(Proposer):
         next_input = torch.tensor([pending], device=self.device)  # [1, n_pending]
         builder = ctx.draft_builder()
         for i in range(ctx.k):
-            logits = kv.forward(self.model, next_input, self.cache, last_only=True)  # [1, vocab]
+            logits = self.runner.forward(self.cache, next_input, last_only=True).logits  # [1, V]
             token = builder.choose(logits)  # [1]
             if i + 1 < ctx.k:
                 next_input = token.view(1, 1)  # stays on the device: one host sync per proposal
@@ -64,10 +68,10 @@ class DraftModelProposer(Proposer):
         self._rollback(len(self._cached) - rejected_in_cache)
 
     def release(self) -> None:
-        self.cache = kv.new_cache(self.model)
+        self.cache = self.runner.new_cache()
         self._cached = []
 
     def _rollback(self, length: int) -> None:
-        kv.crop_to(self.cache, length)
+        self.runner.crop(self.cache, length)
         del self._cached[length:]
-        assert kv.cache_length(self.cache) == len(self._cached)
+        assert self.runner.length(self.cache) == len(self._cached)

@@ -143,3 +143,38 @@ def test_on_a_gpu_the_weight_only_formats_are_row_invariant_and_lossless(tokeniz
                              cost_model=off.cost_model)
     for prompt in random_prompts(len(tokenizer), 5, seed=4):
         assert run(spec, prompt)[0] == run(off, prompt)[0]
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "q4"])
+def test_a_compact_draft_on_the_lean_runner_drafts_and_stays_lossless(target, tokenizer, fmt):
+    from llm_engine.compact_draft import build_from_target
+
+    vocab_ids = torch.arange(0, target.config.vocab_size, 2)  # a head over half the vocabulary
+    draft = LeanRunner(build_from_target(target, [0, 1], vocab_ids).eval(), fmt, 256, MAX_ROWS,
+                       probe=False)
+    assert draft.bit_identical is None
+    runner = lean(target, fmt)
+    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS)
+    off = SpeculativeEngine(target, tokenizer, EngineConfig(sampling=sampling, max_context=256),
+                            runner=runner)
+    spec = SpeculativeEngine(
+        target, tokenizer, EngineConfig(sampling=sampling, max_context=256, speculation=(
+            SpeculationConfig(method="draft", max_draft_tokens=5, gate=False))),
+        draft_model=draft, runner=runner, cost_model=off.cost_model)
+    accepted = 0
+    for prompt in random_prompts(len(tokenizer), 10, seed=9):
+        got, state = run(spec, prompt)
+        assert got == run(off, prompt)[0]
+        accepted += state.stats.accepted
+    assert accepted > 0  # the target's own layers draft: many are accepted
+
+
+def test_a_dropped_cache_is_reused_by_the_next_request(target):
+    runner = lean(target, "q4")
+    cache = runner.new_cache()
+    address = cache.k.data_ptr()
+    with torch.inference_mode():
+        runner.forward(cache, torch.tensor([[5, 6, 7]]))
+    del cache
+    again = runner.new_cache()
+    assert again.k.data_ptr() == address and runner.length(again) == 0
