@@ -142,11 +142,13 @@ class LeanLlama(nn.Module):
     def new_cache(self, max_len: int) -> LeanCache:
         # whole key blocks, so that a row near the end attends over a block too
         max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
-        shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
-        # zeros: a row attends over keys up to the next KEY_BLOCK, masked, and a masked key's
-        # value must be finite (0 x NaN is NaN)
-        return LeanCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                         torch.zeros(shape, dtype=self.dtype, device=self.device))
+        # Keys and values in one zeroed allocation: a row attends over keys up to the next
+        # KEY_BLOCK, masked, and a masked key's value must be finite (0 x NaN is NaN). One block
+        # of tens of MB is mapped and unmapped whole by the C allocator, where two halves of it
+        # would come from its heap and fragment it call after call.
+        both = torch.zeros((2, len(self.layers), self.kv_heads, max_len, self.head_dim),
+                           dtype=self.dtype, device=self.device)
+        return LeanCache(both[0], both[1])
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]

@@ -12,7 +12,6 @@ The runner records which (`rows`: "as-is" or "padded") and whether it holds (`bi
 from __future__ import annotations
 
 import logging
-import weakref
 from pathlib import Path
 
 import torch
@@ -22,8 +21,6 @@ from llm_engine.lean.llama import ROWS, LeanCache, LeanLlama
 from llm_engine.runner import Forward, TargetRunner
 
 log = logging.getLogger(__name__)
-
-POOL = 4  # spare caches kept for the next requests
 
 
 class LeanRunner(TargetRunner):
@@ -42,7 +39,6 @@ class LeanRunner(TargetRunner):
         self.max_cache_len = max_cache_len
         self.max_rows = max_rows
         self.pad_to = 0  # 0: rows as they come
-        self._pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.bit_identical = probe_invariance(self, max_rows) if probe else None
         if self.bit_identical is False:
             self.pad_to = max_rows
@@ -60,21 +56,7 @@ class LeanRunner(TargetRunner):
         return "padded" if self.pad_to else "as-is"
 
     def new_cache(self) -> LeanCache:
-        """A cache from the pool, else a new one. A cache's tensors go back to the pool when the
-        cache is dropped: tens of MB allocated per call and freed again would fragment the heap
-        and grow the process (the soak test measures it). A reused cache holds old keys and values
-        past its length: finite, and masked, so they add exact zeros."""
-        try:
-            k, v = self._pool.pop()
-            cache = LeanCache(k, v)
-        except IndexError:
-            cache = self.lean.new_cache(self.max_cache_len)
-        weakref.finalize(cache, self._recycle, cache.k, cache.v)
-        return cache
-
-    def _recycle(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if len(self._pool) < POOL:
-            self._pool.append((k, v))
+        return self.lean.new_cache(self.max_cache_len)
 
     def length(self, cache: LeanCache) -> int:
         return cache.length

@@ -167,14 +167,3 @@ def test_a_compact_draft_on_the_lean_runner_drafts_and_stays_lossless(target, to
         assert got == run(off, prompt)[0]
         accepted += state.stats.accepted
     assert accepted > 0  # the target's own layers draft: many are accepted
-
-
-def test_a_dropped_cache_is_reused_by_the_next_request(target):
-    runner = lean(target, "q4")
-    cache = runner.new_cache()
-    address = cache.k.data_ptr()
-    with torch.inference_mode():
-        runner.forward(cache, torch.tensor([[5, 6, 7]]))
-    del cache
-    again = runner.new_cache()
-    assert again.k.data_ptr() == address and runner.length(again) == 0
