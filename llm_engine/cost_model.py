@@ -128,26 +128,33 @@ def expected_tokens(k: int, acceptance: float) -> float:
 
 def measure_verify(runner: TargetRunner, max_rows: int, context: int = 256,
                    repeats: int = 5) -> list[float]:
-    """Median ms of one forward of 1 .. max_rows rows over `context` cached tokens.
+    """Median ms of one forward of 1 .. max_rows rows over `context` cached tokens."""
+    return measure_verify_side_by_side([runner], max_rows, context, repeats)[0]
 
-    Row counts are interleaved within each repeat so that a stall from another process spreads
-    over all of them instead of bending one.
-    """
-    vocab = _vocab(runner.model)
+
+def measure_verify_side_by_side(runners: list[TargetRunner], max_rows: int, context: int = 256,
+                                repeats: int = 5) -> list[list[float]]:
+    """`measure_verify` for several runners at once, interleaved: within each repeat every row
+    count of every runner runs in turn, so that a stall from another process spreads over all of
+    them instead of bending one curve, or one runner against another."""
+    vocab = _vocab(runners[0].model)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, context + max_rows), generator=generator)
-    ids = ids.to(runner.device)
-    cache = runner.new_cache()
+    ids = ids.to(runners[0].device)
+    caches = [runner.new_cache() for runner in runners]
+    times = [[[] for _ in range(max_rows)] for _ in runners]
     with torch.inference_mode():
-        runner.forward(cache, ids[:, :context], last_only=True)
-        times: list[list[float]] = [[] for _ in range(max_rows)]
+        for runner, cache in zip(runners, caches, strict=True):
+            runner.forward(cache, ids[:, :context], last_only=True)
         for repeat in range(repeats + 1):  # the first pass warms allocators and kernels up
             for rows in range(1, max_rows + 1):
-                ms = _timed(runner.forward, runner.device, cache, ids[:, context:context + rows])
-                runner.crop(cache, context)
-                if repeat:
-                    times[rows - 1].append(ms)
-    return [statistics.median(t) for t in times]
+                for runner, cache, curve in zip(runners, caches, times, strict=True):
+                    ms = _timed(runner.forward, runner.device, cache,
+                                ids[:, context:context + rows])
+                    runner.crop(cache, context)
+                    if repeat:
+                        curve[rows - 1].append(ms)
+    return [[statistics.median(t) for t in curve] for curve in times]
 
 
 def measure_drafting(proposer: Proposer, runner: TargetRunner, max_k: int, context: int = 256,

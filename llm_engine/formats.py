@@ -92,7 +92,7 @@ def rate(costs: CostModel, max_k: int) -> float:
 def choose(
     candidates: list[str],
     build: Callable[[str], TargetRunner],
-    measure: Callable[[TargetRunner, str], CostModel],
+    measure: Callable[[dict[str, TargetRunner]], dict[str, CostModel]],
     reference: TargetRunner,
     texts: list[list[int]],
     max_k: int,
@@ -102,17 +102,18 @@ def choose(
     """The fastest eligible format and every candidate's figures.
 
     `build(format)` makes the target's runner in that format (`reference` for float32, which is
-    always eligible); `measure(runner, format)` returns its cost model (cached by the caller).
+    always eligible); `measure(runners)` returns each one's cost model, measured side by side
+    (one at a time, a load that comes and goes would decide the choice).
     """
+    runners = {fmt: reference if fmt == "float32" else build(fmt) for fmt in candidates}
+    costs = measure(runners)
     results: list[FormatResult] = []
     best: tuple[float, TargetRunner, str] | None = None
-    for fmt in candidates:
-        runner = reference if fmt == "float32" else build(fmt)
-        costs = measure(runner, fmt)
+    for fmt, runner in runners.items():
         agree = None if runner is reference else agreement(reference, runner, texts)
         identical = getattr(runner, "bit_identical", None)
         eligible = (agree is None or agree.top1 >= min_agreement) and identical is not False
-        result = FormatResult(fmt, costs.plain_ms, rate(costs, max_k), agree, eligible,
+        result = FormatResult(fmt, costs[fmt].plain_ms, rate(costs[fmt], max_k), agree, eligible,
                               identical)
         results.append(result)
         progress(_describe(result, min_agreement))

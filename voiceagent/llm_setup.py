@@ -224,6 +224,7 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
     if engine_cfg.runner in ("auto", "lean") and lean_llama.supports(target.model) is None:
         candidates += [f for f in ("int8", "q4") if lean_linear.available(f, torch.device("cpu"))]
     choice_key = {**cost_model.machine_key(torch.device(target.device)), "part": "format",
+                  "measured": "side by side",
                   "target": cost_model.model_key(target.model), "file": target.file_sha256,
                   "candidates": candidates, "runner": engine_cfg.runner,
                   "max_rows": spec.max_draft_tokens + 1,
@@ -235,15 +236,12 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
         return make_runner(engine_cfg, target, cached["chosen"]), \
             [FormatResult.from_dict(r) for r in cached["results"]]
 
-    def measure(runner: TargetRunner, fmt: str):
-        key = {**_cost_key(runner, target, None, None, engine_cfg), "part": "verify"}
-        costs = _cached(measurements, key, runner)
-        if costs is None:
-            progress(f"measuring the target's forward cost in {fmt} ({runner.name} runner)")
-            costs = cost_model.CostModel(
-                cost_model.measure_verify(runner, spec.max_draft_tokens + 1), 256, key=key)
-            measurements.save(costs)
-        return costs
+    def measure(runners: dict[str, TargetRunner]) -> dict[str, cost_model.CostModel]:
+        progress(f"measuring the target's forward cost in {', '.join(runners)}, side by side")
+        curves = cost_model.measure_verify_side_by_side(list(runners.values()),
+                                                        spec.max_draft_tokens + 1)
+        return {fmt: cost_model.CostModel(curve, 256) for fmt, curve
+                in zip(runners, curves, strict=True)}
 
     texts = [encode_chat(target.tokenizer, messages)
              for messages in heldout_conversations()[:AGREEMENT_TEXTS]]

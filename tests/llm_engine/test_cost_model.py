@@ -17,6 +17,13 @@ def test_the_verify_curve_has_one_positive_time_per_row_count(target):
     assert len(curve) == 6 and all(ms > 0 for ms in curve)
 
 
+def test_runners_measured_side_by_side_each_get_their_own_curve(target):
+    big = EagerRunner(target)
+    curves = cost_model.measure_verify_side_by_side([big, big], max_rows=3, context=16,
+                                                    repeats=1)
+    assert len(curves) == 2 and all(len(c) == 3 and min(c) > 0 for c in curves)
+
+
 def test_drafting_is_measured_through_each_proposers_own_interface(target, draft, head):  # noqa: F811
     runner, spec = EagerRunner(target), SpeculationConfig()
     costs = {

@@ -16,10 +16,10 @@ CURVES = {"float32": [30.0, 90.0, 100.0, 80.0], "bfloat16": [40.0, 42.0, 44.0, 4
           "q4": [26.0, 60.0, 70.0, 80.0]}
 
 
-def synthetic(runner, fmt: str) -> CostModel:
+def synthetic(runners: dict) -> dict[str, CostModel]:
     """Stand-in measurements: the choice logic, not this machine's speed, is under test."""
-    assert runner.format == fmt
-    return CostModel(CURVES[fmt], context=64)
+    assert all(runner.format == fmt for fmt, runner in runners.items())
+    return {fmt: CostModel(CURVES[fmt], context=64) for fmt in runners}
 
 
 def build(target):
