@@ -202,7 +202,7 @@ def test_cancel_mid_request_stops_at_next_step_and_frees_kv(target, draft, token
     assert state.stats.cancel_to_stop_ms is not None
     engine.release(state)
     assert state.cache is None
-    assert state.proposer.cache.get_seq_length() == 0
+    assert state.proposer.cache is None  # the draft's KV is freed too
 
 
 def test_request_after_a_cancel_is_unaffected(target, draft, tokenizer, prompts, reference):
