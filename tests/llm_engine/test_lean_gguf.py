@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.config import EngineConfig
+from llm_engine.cost_model import SamplingConfig, SpeculationConfig, cpu_model
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.lean.gguf import read_q4_1
 from llm_engine.lean.runner import LeanRunner
@@ -53,6 +54,8 @@ def test_greedy_speculation_on_q4_equals_plain_decoding_on_20_held_out_prompts(s
         return SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, runner=q4,
                                  cost_model=None if method == "off" else off.cost_model, **extra)
 
+    if q4.bit_identical is False:  # then `auto` never takes q4 here
+        pytest.skip(f"q4: this CPU's kernels are row-dependent even padded ({cpu_model()})")
     off = engine("off")
     others = [engine("ngram"), engine("draft", draft_model=smollm2.model)]
     for messages in heldout_conversations()[:20]:
