@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llm_engine.config import EngineConfig
-from llm_engine.cost_model import SamplingConfig, SpeculationConfig, cpu_model
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.lean.gguf import read_q4_1
 from llm_engine.lean.runner import LeanRunner
