@@ -146,7 +146,7 @@ def build_runtime(
         runner, format_results = _choose_format(target, engine_cfg, measurements, progress)
     else:
         runner = make_runner(engine_cfg, target, engine_cfg.format)
-    if runner.format not in formats.FORMATS or runner.name == "lean":
+    if runner.format != target.dtype:
         target = dataclasses.replace(target, dtype=runner.format)  # the card names the format
     draft = load_draft(engine_cfg, target, cache_dir, progress) if "draft" in methods else None
     eagle = load_eagle(engine_cfg, target, progress) if "eagle" in methods else None

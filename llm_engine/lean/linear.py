@@ -37,9 +37,6 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
-    def dequantised(self) -> torch.Tensor:
-        return self.weight
-
 
 class Int8Linear(nn.Module):
     """Per-output-channel symmetric int8 weights."""
