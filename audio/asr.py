@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from audio.config import ASRConfig
+from audio.whisper_window import WhisperRun, transcribe_padded, transcribe_speech
 
 SAMPLE_RATE = 16000  # Whisper's input rate
 
@@ -31,6 +32,8 @@ class Transcript:
     samples: int  # how much of the utterance (from its start, at 16 kHz) the text covers
     model_ms: float  # time spent in the model for this result; 0 when reused
     reused: bool = False  # the final is an earlier interim, the model was not run again
+    window: str = "padded"  # which Whisper window answered: "speech" (cut) or "padded" (30 s)
+    fallback: str = ""  # why a cut run gave way to the padded one
 
     @property
     def audio_ms(self) -> float:
@@ -40,7 +43,8 @@ class Transcript:
 class StreamingTranscriber:
     """One utterance at a time: `feed` audio, `interim()` while speaking, `final()` at the end.
 
-    `model` is a faster_whisper.WhisperModel, or anything with its `transcribe` signature.
+    `model` is a faster_whisper.WhisperModel; `cfg.window` says whether a run's encoder sees
+    the speech (audio.whisper_window) or Whisper's 30 s window.
     """
 
     def __init__(self, model, cfg: ASRConfig):
@@ -118,7 +122,8 @@ class StreamingTranscriber:
         """
         last = self._last
         if last is not None and self.covers(speech_end_offset):
-            return Transcript(last.text, last.samples, model_ms=0.0, reused=True)
+            return Transcript(last.text, last.samples, model_ms=0.0, reused=True,
+                              window=last.window, fallback=last.fallback)
         return self._transcribe(self._snapshot(mark_interim=False))
 
     def _snapshot(self, mark_interim: bool) -> np.ndarray:
@@ -131,21 +136,18 @@ class StreamingTranscriber:
 
     def _transcribe(self, audio: np.ndarray) -> Transcript:
         t0 = time.perf_counter()
-        text = ""
+        run = WhisperRun("", self.cfg.window)
         if len(audio):
-            segments, _info = self.model.transcribe(
-                audio.astype(np.float32) / 32768.0,
-                language=self.cfg.language or None,
-                beam_size=self.cfg.beam_size,
-                vad_filter=False,  # the pipeline's VAD already cut the utterance
-                without_timestamps=True,
-                condition_on_previous_text=False,
-                # One decoding pass: the temperature fallback re-decodes up to five times on
-                # "suspicious" output, which on a CPU costs seconds at the worst moment.
-                temperature=0.0,
-            )
-            text = " ".join(s.text.strip() for s in segments).strip()  # decodes lazily here
-        return Transcript(text, len(audio), model_ms=(time.perf_counter() - t0) * 1000)
+            samples = audio.astype(np.float32) / 32768.0
+            language = self.cfg.language or None
+            if self.cfg.window == "speech":
+                run = transcribe_speech(self.model, samples, language, self.cfg.beam_size,
+                                        self.cfg.window_margin_ms, self.cfg.window_min_ms)
+            else:
+                run = WhisperRun(transcribe_padded(self.model, samples, language,
+                                                   self.cfg.beam_size), "padded")
+        return Transcript(run.text, len(audio), model_ms=(time.perf_counter() - t0) * 1000,
+                          window=run.window, fallback=run.fallback)
 
 
 def _common_words(a: str, b: str) -> str:

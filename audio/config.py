@@ -37,10 +37,17 @@ class ASRConfig:
     language: str = "en"
     beam_size: int = 1
     cpu_threads: int = 0  # CTranslate2 threads on a CPU; 0: its default (4)
-    # Re-transcribe the growing utterance at this cadence. A Whisper run costs the same for any
-    # length (it pads to 30 s), about 350 ms on two CPU cores: a shorter cadence keeps the CPU busy
-    # while the caller speaks, and the transcript at the caller's pause then waits for it.
-    interim_every_ms: int = 1000
+    # speech: the encoder runs on the utterance plus a margin, so a run costs what the speech is
+    # long (~80-130 ms for tiny.en on two CPU cores), and a doubtful cut run is redone padded;
+    # padded: Whisper's 30 s window, as faster-whisper runs it (~350 ms whatever the length).
+    window: Literal["speech", "padded"] = "speech"
+    window_margin_ms: int = 1000  # zero frames after the speech: a shorter context trails off
+    # The shortest context: below ~10 s, tiny.en loops on short phrases ("Yes? Yes? Yes?"),
+    # and a run over 10 s costs ~80 ms against ~50 ms over 3 s (two CPU cores).
+    window_min_ms: int = 10000
+    # Re-transcribe the growing utterance at this cadence while the caller speaks. A run on the
+    # speech window is cheap, so the transcript at the caller's pause is mostly ready already.
+    interim_every_ms: int = 400
     # One utterance is transcribed up to this long; the rest of it is dropped (a caller who never
     # pauses, or a line that streams noise, cannot grow the buffer or every re-transcription).
     max_utterance_s: float = 30.0

@@ -7,9 +7,14 @@ import numpy as np
 from audio.wav import resample
 
 
-def synthesize(voice, text: str, rate: int = 16000) -> np.ndarray:
-    """`text` spoken by a loaded PiperVoice, mono int16 at `rate`."""
-    audio = np.concatenate([c.audio_int16_array for c in voice.synthesize(text)])
+def synthesize(voice, text: str, rate: int = 16000,
+               length_scale: float | None = None) -> np.ndarray:
+    """`text` spoken by a loaded PiperVoice, mono int16 at `rate`; `length_scale` > 1 speaks
+    slower (None: the voice's own)."""
+    from piper import SynthesisConfig
+
+    config = SynthesisConfig(length_scale=length_scale)
+    audio = np.concatenate([c.audio_int16_array for c in voice.synthesize(text, config)])
     return resample(audio, voice.config.sample_rate, rate)
 
 

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "`voiceagent bench KIND --help` lists a kind's flags.")
     _log_args(p)
     kinds = p.add_subparsers(dest="what", required=True, metavar="KIND",
-                             help="engine, call or serve")
+                             help="engine, call, serve or asr")
     _bench_engine_args(_command(
         kinds, "engine", help="engine modes vs HF generate(), per weight format",
         description="Engine modes in each weight format against HF generate() fp32 baselines, "
@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         kinds, "serve", help="the server under simulated Twilio callers",
         description="The call server under simulated Twilio callers: round trip, barge-in, "
         "simultaneous calls, memory; or (--knee) the capacity knee."))
+
+    p = _command(
+        kinds, "asr", help="Whisper on the speech window vs the padded 30 s window",
+        description="Word error and run time of Whisper on the speech window against the "
+        "padded 30 s window, on the project's caller phrases spoken at several rates.")
+    p.add_argument("--rates", help="Piper length_scale values, comma-separated "
+                   "(default: 0.8,1.0,1.3)")
+    _bench_out(p)
 
     _command(sub, "doctor", help="check the environment and load every configured model")
 
@@ -211,6 +219,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "asr":
+        from voiceagent.bench.asr import run_asr_bench
+
+        return run_asr_bench(load_config(args.config, args.overrides), args)
     if args.what == "serve":
         from voiceagent.bench.serve import run_serve_bench
 

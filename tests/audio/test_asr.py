@@ -9,15 +9,32 @@ QUESTION = "What is the capital of France?"
 
 
 class CountingModel:
-    """A WhisperModel that counts its transcribe calls."""
+    """A WhisperModel that counts its runs: padded (`transcribe`) and cut (the CTranslate2
+    model's `generate`)."""
 
     def __init__(self, model):
-        self.model = model
+        self._whisper = model
         self.calls = 0
+        self.model = _CountingGenerate(model.model, self)
+
+    def __getattr__(self, name):
+        return getattr(self._whisper, name)
 
     def transcribe(self, audio, **kwargs):
         self.calls += 1
-        return self.model.transcribe(audio, **kwargs)
+        return self._whisper.transcribe(audio, **kwargs)
+
+
+class _CountingGenerate:
+    def __init__(self, model, counter: CountingModel):
+        self._model, self._counter = model, counter
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def generate(self, *args, **kwargs):
+        self._counter.calls += 1
+        return self._model.generate(*args, **kwargs)
 
 
 @pytest.fixture
@@ -37,6 +54,7 @@ def test_final_transcript_has_the_spoken_words(model):
     final = tr.final()
     assert {"capital", "france"} <= words(final.text)
     assert not final.reused and model.calls == 1
+    assert final.window == "speech" and not final.fallback
 
 
 def test_interim_transcribes_the_utterance_so_far(model):
