@@ -111,6 +111,10 @@ class TurnConfig(BaseModel):
     # vad: the turn ends at the VAD stop (its stop_secs hangover); smart_turn: pipecat's local
     # Smart Turn v3 model decides whether the pause ends the sentence.
     stop: Literal["vad", "smart_turn"] = "vad"
+    # vad: a turn whose final words sound unfinished (ending on "and", "the", "um", a short group
+    # of digits, or no closing punctuation) waits this much longer after the VAD's stop_secs for
+    # the caller to go on, so stop_secs can be short for a finished sentence. 0: off.
+    unfinished_hold_s: float = Field(0.5, ge=0)
     # While the bot speaks, the caller takes the turn only by speaking this long (seconds), or by
     # saying this many words (pipecat's min-words strategy), so a "mm-hmm" or a cough does not cut
     # it off. Both 0: any speech the VAD hears interrupts at once.
@@ -137,6 +141,8 @@ class AgentConfig(BaseModel):
     max_tool_calls: int = Field(1, ge=1)  # per caller turn; then the reply must be words
     tool_filler_after_s: float = Field(1.0, ge=0)  # a tool still running then: say the filler
     tool_filler: str = "One moment, please."
+    # A tool's `say` template speaks its result at once; false: the model always answers.
+    tool_templates: bool = True
     # Said after a tool that ends the call, which then hangs up; "": the model says its own.
     goodbye: str = "Thank you for calling. Goodbye!"
     # A short example exchange after the system prompt, showing an answer that does not repeat

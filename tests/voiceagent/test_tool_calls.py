@@ -6,6 +6,7 @@ call whatever its weights (the tools grammar)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -44,6 +45,11 @@ async def record_order(order_id: str) -> dict:
     return {"order_id": order_id, "status": "shipped"}
 
 
+async def peek_order(order_id: str) -> dict:
+    RUNS.append(("peek_order", {"order_id": order_id}))
+    return {"order_id": order_id, "status": "shipped"}
+
+
 async def slow_check(order_id: str) -> dict:
     RUNS.append(("slow_check", {"order_id": order_id}))
     await asyncio.sleep(1.0)
@@ -71,6 +77,7 @@ TOOLS = load_tools([
     _tool("record_order", r"\border\b"),
     _tool("slow_check", r"\bslow\b"),
     _tool("broken", r"\bbroken\b"),
+    _tool("peek_order", r"\bpeek\b", read_only=True),
     {"name": "hang_up", "handler": "tests.voiceagent.test_tool_calls:hang_up", "ends_call": True,
      "triggers": [r"\bbye\b"], "parameters": {"type": "object", "properties": {}}},
 ])
@@ -118,10 +125,10 @@ class Probe(FrameProcessor):
 
 
 async def _run(serving, tokenizer, context: LLMContext, frames: list, system_prompt="Be brief.",
-               **agent) -> Probe:
+               tools=TOOLS, **agent) -> Probe:
     llm = SpeculativeLLMService(EngineChat(serving, tokenizer), session_id="call-1",
-                                system_prompt=system_prompt, tools=TOOLS)
-    register_tools(llm, TOOLS, AgentConfig(**{"tool_filler_after_s": 0.3, **agent}))
+                                system_prompt=system_prompt, tools=tools)
+    register_tools(llm, tools, AgentConfig(**{"tool_filler_after_s": 0.3, **agent}))
     probe = Probe()
     await asyncio.wait_for(
         run_test(Pipeline([llm, probe, LLMAssistantAggregator(context)]), frames_to_send=frames),
@@ -189,6 +196,48 @@ async def test_a_withdrawn_prepared_reply_never_runs_its_tool(make_serving, toke
     _warmup, prepared = serving.handles
     assert (await prepared.result()).tool_calls, "the withdrawn reply had decided on a call"
     assert RUNS == [] and not _of(probe.frames, FunctionCallInProgressFrame)
+
+
+async def test_a_read_only_tool_runs_on_the_prepared_reply_before_the_turn_is_confirmed(
+        make_serving, tokenizer):
+    serving, context = make_serving(), LLMContext()
+    probe = await _run(serving, tokenizer, context, [
+        _user(context, "Peek at 48213 please", speculation=True), SleepFrame(sleep=2),
+        UserStoppedSpeakingFrame(), SleepFrame(sleep=2)])
+
+    assert [name for name, _ in probe.runs_at_commit] == ["peek_order"], "ran before commit"
+    assert [name for name, _ in RUNS] == ["peek_order"], "and not again at commit"
+    [result] = _of(probe.frames, FunctionCallResultFrame)
+    assert result.result["status"] == "shipped"
+
+
+async def test_a_withdrawn_prepared_reply_drops_its_read_only_result(make_serving, tokenizer):
+    serving, context = make_serving(), LLMContext()
+    probe = await _run(serving, tokenizer, context, [
+        _user(context, "Peek at 48213 please", speculation=True), SleepFrame(sleep=2),
+        EagerEndOfTurnCancelFrame(), SleepFrame(sleep=1)])
+
+    assert [name for name, _ in RUNS] == ["peek_order"], "it ran while the turn was open"
+    assert not _of(probe.frames, FunctionCallResultFrame), "its result never reached the call"
+    assert all(m["role"] != "tool" for m in context.get_messages())
+
+
+async def test_a_tool_with_a_template_speaks_its_result_without_asking_the_model(
+        make_serving, tokenizer):
+    tools = [dataclasses.replace(t, say="Order {order_id!d} is {status}.")
+             if t.name == "record_order" else t for t in TOOLS]
+    serving, context = make_serving(), LLMContext()
+    probe = await _run(serving, tokenizer, context,
+                       [_user(context, "Where is my order 48213?"), SleepFrame(sleep=3)],
+                       tools=tools)
+
+    [result] = _of(probe.frames, FunctionCallResultFrame)
+    said = f"Order {' '.join(result.result['order_id'])} is shipped."  # the model's digits
+    spoken = "".join(f.text for f in _of(probe.frames, LLMTextFrame))
+    assert spoken == said
+    _warmup, call = serving.handles  # no request answered the result
+    assert (await call.result()).tool_calls
+    assert context.get_messages()[-1] == {"role": "assistant", "content": said}
 
 
 async def test_an_interrupted_reply_never_runs_its_tool(make_serving, tokenizer):

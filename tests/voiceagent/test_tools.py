@@ -34,6 +34,38 @@ def test_the_demo_set_loads_with_openai_schemas_and_end_call_ends_the_call():
     assert tools["end_call"].ends_call and not tools["lookup_order"].ends_call
 
 
+@pytest.mark.parametrize("words, called", [
+    ("What time is it?", True),
+    ("Can you tell me the time please", True),
+    ("what's the time in Paris", True),
+    ("What is the current time?", True),
+    ("What day is it today?", True),
+    ("What time does the pharmacy open on Saturday?", False),
+    ("What time do you close?", False),
+    ("I had a great time, thanks.", False),
+])
+def test_current_time_is_triggered_by_asking_the_time_not_the_time_of_something(words, called):
+    current_time = next(t for t in load_tools([DEMO]) if t.name == "current_time")
+    assert current_time.triggered_by(words) is called
+
+
+async def test_a_template_speaks_a_result_and_leaves_a_missing_field_to_the_model():
+    lookup = next(t for t in load_tools([DEMO]) if t.name == "lookup_order")
+    assert lookup.read_only
+    found = await lookup.run({"order_id": "48213"}, 1.0)
+    assert lookup.spoken(found) == "Order 4 8 2 1 3 is shipped."
+    missing = await lookup.run({"order_id": "99999"}, 1.0)
+    assert missing.ok and lookup.spoken(missing) is None  # no status: the model answers
+    refused = await lookup.run({"order_id": "12"}, 1.0)
+    assert not refused.ok and lookup.spoken(refused) is None
+
+
+def test_only_tools_that_change_nothing_are_read_only():
+    tools = {t.name: t for t in load_tools([DEMO])}
+    assert tools["current_time"].read_only and tools["lookup_order"].read_only
+    assert not tools["end_call"].read_only
+
+
 async def test_an_order_is_found_by_its_five_digits_and_other_forms_are_refused():
     (lookup,) = [t for t in load_tools([DEMO]) if t.name == "lookup_order"]
     found = await lookup.run({"order_id": "48213"}, timeout_s=2)

@@ -2,10 +2,10 @@
 
 import pytest
 from pipecat.turns.user_start import MinWordsUserTurnStartStrategy
-from pipecat.turns.user_stop import SpeechTimeoutUserTurnStopStrategy
 
 from voiceagent.config import TurnConfig
 from voiceagent.pipeline.turns import (
+    HoldingSpeechTimeoutStopStrategy,
     PreparingSmartTurnStopStrategy,
     PreparingSpeechTimeoutStopStrategy,
     SustainedSpeechUserTurnStartStrategy,
@@ -23,7 +23,7 @@ def test_preparation_wraps_the_configured_stop_strategy(smart_turn):
     [vad] = turn_strategies(TurnConfig(prepare=True)).stop
     assert isinstance(vad, PreparingSpeechTimeoutStopStrategy)
     [plain] = turn_strategies(TurnConfig(prepare=False)).stop
-    assert type(plain) is SpeechTimeoutUserTurnStopStrategy
+    assert type(plain) is HoldingSpeechTimeoutStopStrategy
     [smart] = turn_strategies(TurnConfig(prepare=True, stop="smart_turn"), smart_turn).stop
     assert isinstance(smart, PreparingSmartTurnStopStrategy)
 

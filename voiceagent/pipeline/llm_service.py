@@ -91,7 +91,7 @@ import contextlib
 import dataclasses
 import itertools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +176,7 @@ class _Request:
     discarded: bool = False  # withdrawn before its turn was confirmed
     push_end: bool = True  # False when an interruption, not an End, ends the reply downstream
     calls: list[FunctionCallFromLLM] = field(default_factory=list)  # not run yet
+    early: dict[str, asyncio.Task] = field(default_factory=dict)  # read-only calls run already
 
 
 class SpeculativeLLMService(LLMService):
@@ -241,6 +242,25 @@ class SpeculativeLLMService(LLMService):
         self._max_tool_calls = max_tool_calls
         self._examples = list(examples)
         self._ending = False  # a tool ended the call: the next finished reply is the last
+        # Tools that may run before the turn is confirmed (read-only ones), by name: each takes
+        # a call's arguments and returns its result (tool_calls.py registers them).
+        self._early_runners: dict[str, Callable[[dict], Awaitable[Any]]] = {}
+        self._early: dict[str, asyncio.Task] = {}  # by tool_call_id, until its handler takes it
+
+    def register_early(self, name: str, run: Callable[[dict], Awaitable[Any]]) -> None:
+        """Let tool `name` run on a prepared reply, before its turn is confirmed: it must change
+        nothing, since the reply may yet be withdrawn."""
+        self._early_runners[name] = run
+
+    def take_early(self, tool_call_id: str) -> asyncio.Task | None:
+        """The run a prepared reply started for this call, if any; the handler awaits it."""
+        return self._early.pop(tool_call_id, None)
+
+    async def say_reply(self, text: str) -> None:
+        """Speak `text` as the reply, as if the model had written it (a tool's template)."""
+        await self.push_frame(LLMFullResponseStartFrame())
+        await self._push_llm_text(text)
+        await self.push_frame(LLMFullResponseEndFrame())
 
     def end_after_reply(self) -> None:
         """Hang up once the next reply has been spoken (a tool like `end_call` ran)."""
@@ -276,6 +296,7 @@ class SpeculativeLLMService(LLMService):
             request, self._prepared = self._prepared, None
             if request is not None:
                 request.discarded = True
+                await self._drop_early(request)
                 if request is self._current:
                     await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
@@ -409,7 +430,9 @@ class SpeculativeLLMService(LLMService):
         reporter.add_done_callback(self._reporters.discard)
         self._requests[request.id] = request
         self._current = request
-        self._prepared = request if prepared else None
+        superseded, self._prepared = self._prepared, request if prepared else None
+        if superseded is not None:  # its turn was never confirmed: its early results go
+            await self._drop_early(superseded)
 
     async def _stream(self, request: _Request, context: LLMContext) -> None:
         """Push the reply's frames as the engine's deltas arrive; then its tool call, or the end
@@ -432,8 +455,10 @@ class SpeculativeLLMService(LLMService):
         completion = await request.handle.result()
         if completion.tool_calls:
             request.calls = [self._call(call, context) for call in completion.tool_calls]
-            if self._prepared is not request:  # else it waits for the turn to be confirmed
+            if self._prepared is not request:
                 await self._run_calls(request)
+            else:  # it waits for the turn to be confirmed; read-only tools may run meanwhile
+                self._run_early(request)
         elif self._ending and completion.finish_reason != "error":
             # The goodbye is queued ahead of this frame: the pipeline ends once it is played.
             await self.push_frame(EndWorkerFrame(reason="a tool ended the call"))
@@ -452,6 +477,20 @@ class SpeculativeLLMService(LLMService):
         calls, request.calls = request.calls, []
         if not request.discarded and not request.interrupted:
             await self.run_function_calls(calls)
+
+    def _run_early(self, request: _Request) -> None:
+        for call in request.calls:
+            run = self._early_runners.get(call.function_name)
+            if run is not None:
+                task = self.create_task(run(dict(call.arguments)), f"early-{call.tool_call_id}")
+                request.early[call.tool_call_id] = self._early[call.tool_call_id] = task
+
+    async def _drop_early(self, request: _Request) -> None:
+        """A withdrawn reply's read-only results go with it."""
+        for call_id, task in request.early.items():
+            self._early.pop(call_id, None)
+            await self.cancel_task(task)
+        request.early.clear()
 
     async def _report(self, request: _Request) -> None:
         """Once the engine has ended the request, push its stats (and its error, if any)."""
@@ -498,5 +537,8 @@ class SpeculativeLLMService(LLMService):
         await self._interrupt(push_end=False)
         for request in self._requests.values():
             request.handle.cancel()
+        for task in self._early.values():
+            await self.cancel_task(task)
+        self._early.clear()
         for reporter in list(self._reporters):
             await self.cancel_task(reporter)

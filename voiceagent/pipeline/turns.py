@@ -13,6 +13,7 @@ ours keeps the local one and adds the speculation to it.
 from __future__ import annotations
 
 import asyncio
+import re
 
 from loguru import logger
 from pipecat.frames.frames import (
@@ -41,6 +42,25 @@ from pipecat.turns.user_turn_strategies import (
 from voiceagent.config import TurnConfig
 
 SPECULATION_TIMEOUT_S = 5.0  # a prepared reply whose turn never resolves is withdrawn
+# Words a finished sentence does not end on: a caller who stops after one is thinking ("and, um").
+CONTINUING = frozenset(
+    "and or but so because if than then that which who to of for with from at in on by about "
+    "as like the a an my your our their his her its is are was were am be i we you "
+    "um uh er erm hmm".split())
+
+
+def sounds_unfinished(text: str) -> bool:
+    """Whether the caller's words so far stop where a sentence does not end: on a word like
+    "and" or "the" or a filler, on no closing punctuation (Whisper punctuates what it hears as
+    finished), or on a short group of digits (a number read out in groups: "555, 1234")."""
+    text = text.strip()
+    if not text:
+        return False
+    if text.endswith(("...", "…", "-", ",")) or text[-1] not in ".?!":
+        return True
+    words = re.findall(r"[\w']+", text.lower())
+    last = words[-1] if words else ""
+    return last in CONTINUING or (last.isdigit() and len(last) <= 4)
 
 
 class _Preparing(BaseUserTurnStopStrategy):
@@ -123,8 +143,66 @@ class _Preparing(BaseUserTurnStopStrategy):
         return speculation
 
 
-class PreparingSpeechTimeoutStopStrategy(_Preparing, SpeechTimeoutUserTurnStopStrategy):
-    """VAD stop + final transcript ends the turn; a prepared reply is committed or withdrawn."""
+class _HoldingUnfinished(BaseUserTurnStopStrategy):
+    """Adds the transcript's own cue to a stop strategy: a turn whose words sound unfinished
+    (`sounds_unfinished`) waits `hold_s` more for the caller to go on before it ends, so the
+    VAD's hangover can be short for a finished question and still long enough for "and, um".
+    Speech in the meantime cancels the hold (the VAD's start resets the strategy)."""
+
+    def __init__(self, *, hold_s: float = 0.0, **kwargs):
+        super().__init__(**kwargs)
+        self._hold_s = hold_s
+        self._heard: list[str] = []  # this turn's final transcript segments
+        self._hold: asyncio.Task | None = None
+
+    async def process_frame(self, frame: Frame) -> ProcessFrameResult:
+        if isinstance(frame, VADUserStartedSpeakingFrame):
+            await self._stop_hold()
+        elif isinstance(frame, TranscriptionFrame) and frame.text.strip():
+            self._heard.append(frame.text.strip())
+        return await super().process_frame(frame)
+
+    async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
+        if self._hold_s > 0 and self._hold is None and sounds_unfinished(" ".join(self._heard)):
+            logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
+            self._hold = self.task_manager.create_task(
+                self._held(enable_user_speaking_frames), f"{self}::unfinished_hold")
+            return
+        await super().trigger_user_turn_stopped(
+            enable_user_speaking_frames=enable_user_speaking_frames)
+
+    async def _held(self, enable_user_speaking_frames: bool | None) -> None:
+        await asyncio.sleep(self._hold_s)
+        await super().trigger_user_turn_stopped(
+            enable_user_speaking_frames=enable_user_speaking_frames)
+
+    async def handle_user_turn_started(self):
+        await self._stop_hold()
+        self._heard = []
+        await super().handle_user_turn_started()
+
+    async def handle_user_turn_stopped(self):
+        self._hold, self._heard = None, []  # the hold itself may be what ended the turn
+        await super().handle_user_turn_stopped()
+
+    async def cleanup(self):
+        await self._stop_hold()
+        await super().cleanup()
+
+    async def _stop_hold(self) -> None:
+        if self._hold is not None:
+            task, self._hold = self._hold, None
+            await self.task_manager.cancel_task(task)
+
+
+class HoldingSpeechTimeoutStopStrategy(_HoldingUnfinished, SpeechTimeoutUserTurnStopStrategy):
+    """VAD stop + final transcript ends the turn, later when the words sound unfinished."""
+
+
+class PreparingSpeechTimeoutStopStrategy(_HoldingUnfinished, _Preparing,
+                                         SpeechTimeoutUserTurnStopStrategy):
+    """VAD stop + final transcript ends the turn (later when the words sound unfinished); a
+    prepared reply is committed or withdrawn."""
 
 
 class PreparingSmartTurnStopStrategy(_Preparing, TurnAnalyzerUserTurnStopStrategy):
@@ -225,7 +303,9 @@ def _stop_strategy(cfg: TurnConfig, smart_turn_session) -> BaseUserTurnStopStrat
             return PreparingSmartTurnStopStrategy(turn_analyzer=analyzer)
         return TurnAnalyzerUserTurnStopStrategy(turn_analyzer=analyzer)
     # The VAD's stop_secs is already the hangover; waiting longer after it only adds latency,
-    # and the STT's finalized transcript releases the turn at once.
+    # and the STT's finalized transcript releases the turn at once, unless its words sound
+    # unfinished.
     if cfg.prepare:
-        return PreparingSpeechTimeoutStopStrategy(user_speech_timeout=0)
-    return SpeechTimeoutUserTurnStopStrategy(user_speech_timeout=0)
+        return PreparingSpeechTimeoutStopStrategy(user_speech_timeout=0,
+                                                  hold_s=cfg.unfinished_hold_s)
+    return HoldingSpeechTimeoutStopStrategy(user_speech_timeout=0, hold_s=cfg.unfinished_hold_s)

@@ -3,10 +3,20 @@
 A tool list is made of entries, each either a module path whose `TOOLS` list holds the entries
 (`voiceagent.tools.demo`, the demo set), or one mapping `{name, description, parameters,
 handler}` with `parameters` a JSON schema and `handler` an import path `package.module:function`,
-and optionally `ends_call: true` (the call hangs up once the bot has spoken its reply to it) and
-`triggers`: regular expressions over the caller's words that make this tool the turn's required
-choice (a small model such as the embedded default seldom decides to call a tool by itself;
-a capable one needs no triggers).
+and optionally:
+- `ends_call: true`: the call hangs up once the bot has spoken its reply to it;
+- `triggers`: regular expressions over the caller's words that make this tool the turn's required
+  choice (a small model such as the embedded default seldom decides to call a tool by itself; a
+  capable one needs no triggers);
+- `read_only: true`: the tool changes nothing, so it may run on a reply prepared while the caller
+  may still go on (its result is then ready when the turn is confirmed, and dropped with the
+  reply when it is withdrawn); a tool with side effects runs only after the turn is confirmed;
+- `say`: a spoken template for the result, e.g. "Order {order_id!d} is {status}.", filled from
+  the result's fields (`!d` reads a number digit by digit, as one reads an order number on the
+  phone) and spoken at once instead of the model's answer; when a field is missing (an order not
+  found, an error) the model answers from the result as usual. A template is for results a
+  fixed sentence says well; where the answer depends on the question ("is it open now?"), leave
+  it out and let the model answer.
 A handler is `async def handler(**arguments) -> dict | str`: plain Python, no framework types, so
 a tool can be tested on its own.
 
@@ -20,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import re
+import string
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -55,9 +66,21 @@ class Tool:
     handler: Handler
     ends_call: bool = False
     triggers: tuple[re.Pattern, ...] = ()
+    read_only: bool = False
+    say: str = ""
 
     def triggered_by(self, words: str) -> bool:
         return any(pattern.search(words) for pattern in self.triggers)
+
+    def spoken(self, result: ToolResult) -> str | None:
+        """The result in the `say` template, or None: no template, a failed call, or a field the
+        template needs is not in the result."""
+        if not self.say or not result.ok or not isinstance(result.content, dict):
+            return None
+        try:
+            return _SPOKEN.format(self.say, **result.content)
+        except (KeyError, IndexError, ValueError, AttributeError):
+            return None
 
     @property
     def schema(self) -> dict:
@@ -82,6 +105,18 @@ class Tool:
             return result(False, {"error": f"{self.name} took longer than {timeout_s:g} s"})
         except Exception as exc:  # noqa: BLE001 - a failing tool is reported, never fatal
             return result(False, {"error": f"{self.name} failed: {type(exc).__name__}: {exc}"})
+
+
+class _SpokenFormatter(string.Formatter):
+    """str.format, plus the conversion `!d`: a value read digit by digit ("4 8 2 1 3")."""
+
+    def convert_field(self, value: Any, conversion: str | None) -> Any:
+        if conversion == "d":
+            return " ".join(str(value))
+        return super().convert_field(value, conversion)
+
+
+_SPOKEN = _SpokenFormatter()
 
 
 def load_tools(entries: list[str | dict]) -> list[Tool]:
@@ -122,8 +157,12 @@ def _tool(spec: dict) -> Tool:
                         f"{exc.message}") from None
     if parameters.get("type") != "object":
         raise ToolError(f"tools: {name}'s parameters must be a JSON schema of type object")
+    say = spec.get("say", "")
+    if not isinstance(say, str):
+        raise ToolError(f"tools: {name}'s say must be a text template, not {say!r}")
     return Tool(name, spec.get("description", ""), parameters, _handler(name, spec.get("handler")),
-                bool(spec.get("ends_call", False)), _triggers(name, spec.get("triggers", [])))
+                bool(spec.get("ends_call", False)), _triggers(name, spec.get("triggers", [])),
+                bool(spec.get("read_only", False)), say)
 
 
 def _triggers(name: str, patterns: Any) -> tuple[re.Pattern, ...]:

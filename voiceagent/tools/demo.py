@@ -43,14 +43,20 @@ TOOLS = [
          "timezone": {"type": "string", "pattern": "^[A-Za-z_/]{1,32}$",
                       "description": "IANA zone, e.g. Europe/Paris"}},
          "additionalProperties": False},
-     "handler": "voiceagent.tools.demo:current_time",
-     "triggers": [r"\bwhat time\b", r"\btime is it\b"]},
+     "handler": "voiceagent.tools.demo:current_time", "read_only": True,
+     "say": "It is {time}, {timezone} time.",
+     # The time itself, not the time of something ("what time does the pharmacy open").
+     "triggers": [r"\btime is it\b", r"\b(the )?(current|exact) time\b",
+                  r"\bwhat('s| is) the time\b", r"\btell me the time\b",
+                  r"\bwhat (day|date) is (it|today)\b",
+                  r"\bwhat('s| is) (the date|today's date)\b"]},
     {"name": "lookup_order", "description": "Look up an order's status by its order number.",
      "parameters": {"type": "object", "properties": {
          "order_id": {"type": "string", "pattern": "^[0-9]{5}$",
                       "description": "the five-digit order number the caller gave"}},
          "required": ["order_id"], "additionalProperties": False},
-     "handler": "voiceagent.tools.demo:lookup_order",
+     "handler": "voiceagent.tools.demo:lookup_order", "read_only": True,
+     "say": "Order {order_id!d} is {status}.",
      "triggers": [r"\border\b.*\d|\d.*\border\b"]},
     {"name": "end_call", "description": "Hang up after saying goodbye, when the caller is done.",
      "parameters": {"type": "object", "properties": {

@@ -1,0 +1,65 @@
+"""The adaptive hangover: a short VAD stop for a finished sentence, a hold when the caller's words
+sound unfinished. Through the real pipeline: embedded models, synthesised caller speech.
+
+The hold is made long here (HOLD_S) so that a held turn and one that was not differ by seconds,
+whatever the machine's speed.
+"""
+
+import asyncio
+
+import pytest
+
+from tests.voiceagent.test_preparation import _caller
+from voiceagent.config import load_config
+from voiceagent.pipeline.builder import load_shared
+from voiceagent.pipeline.turns import sounds_unfinished
+from voiceagent.sim.call import simulate_call
+
+STOP_S = 0.3
+HOLD_S = 2.0
+
+
+@pytest.mark.parametrize("text, unfinished", [
+    ("What is the capital of France?", False),
+    ("The order number is 48213.", False),
+    ("Thanks, that's all.", False),
+    ("I'd like a pizza and", True),
+    ("I'd like a pizza and...", True),
+    ("My phone number is 555,", True),
+    ("My phone number is 555.", True),  # a number read out in groups goes on
+    ("So I was wondering if", True),
+    ("Um", True),
+    ("", False),
+])
+def test_words_that_sound_unfinished(text, unfinished):
+    assert sounds_unfinished(text) is unfinished
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}",
+                              f"vad.stop_secs={STOP_S}", f"turn.unfinished_hold_s={HOLD_S}",
+                              "turn.prepare=true"])
+
+
+@pytest.fixture(scope="module")
+def shared(cfg):
+    models = load_shared(cfg, progress=lambda _: None)
+    yield models
+    models.close()
+
+
+def test_a_finished_question_ends_the_turn_without_the_hold(cfg, shared):
+    audio = _caller(0.5, "What is the capital of France?", 5.0)
+    [turn] = asyncio.run(simulate_call(cfg, shared, audio)).turns
+    assert "france" in turn.user_text.lower()
+    assert turn.clocks.turn_end_to_first_audio_ms < HOLD_S * 1000
+
+
+def test_a_caller_who_trails_off_on_and_is_one_turn(cfg, shared):
+    # The pause is longer than the VAD's stop and shorter than the hold.
+    audio = _caller(0.5, "I would like to order a pizza and", 1.0, "a green salad, please.", 6.0)
+    result = asyncio.run(simulate_call(cfg, shared, audio))
+    [turn] = result.turns
+    assert "pizza" in turn.user_text.lower() and "salad" in turn.user_text.lower()
+    assert turn.clocks.turn_end_to_first_audio_ms >= STOP_S * 1000
