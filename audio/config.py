@@ -21,7 +21,7 @@ class VADConfig:
     model: str = "silero-vad"
     confidence: float = 0.7
     start_secs: float = 0.2
-    stop_secs: float = 0.5  # the hangover: silence before the turn counts as ended (see README)
+    stop_secs: float = 0.3  # the hangover: silence before the turn counts as ended (see README)
     min_volume: float = 0.6
 
 

@@ -11,7 +11,7 @@ all. Reported per variant: turn end -> first audio (clock 3) p50/p95, request ->
 (clock 1), ITL (clock 2) p50, barge-in -> bot silent, the median breakdown, and preparation:
 committed and discarded replies and the wasted work as a share of the work that answered; and
 the turns that called a tool: turn end -> first audio of the spoken result, and how many were
-heard within 1 s.
+heard within 1 s; and the per-stage floor (floor.py): each stage's p50 beside what it costs alone.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 import yaml
 
 from audio.synth import silence, synthesize
+from voiceagent.bench.floor import measure_floor, render_floor
 from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import PROMPTS_DIR, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
@@ -233,12 +234,15 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                     bar.update()
                     turns[v.name] += [dict(t.to_dict(), script_call=call["name"])
                                       for t in result.turns]
+        say("measuring each stage alone (the per-stage floor) ...")
+        utterances = list(dict.fromkeys(t["say"] for c in script["calls"] for t in c["turns"]))
+        floor = await measure_floor(cfg, shared, utterances)
     finally:
         bar.close()
         shared.close()
     spec = {name: counted_during(before[name], await chat.speculation())
             for name, chat in remotes.items()}
-    return turns, spec
+    return turns, spec, floor
 
 
 def run_call_bench(cfg: Config, args) -> int:
@@ -255,7 +259,7 @@ def run_call_bench(cfg: Config, args) -> int:
     except RemoteLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    turns, remote_spec = asyncio.run(_run(cfg, script, variants, args.repeats, remotes))
+    turns, remote_spec, floor = asyncio.run(_run(cfg, script, variants, args.repeats, remotes))
     summary = {m: summarise(t) for m, t in turns.items()}
     tools = {m: tool_turns(t) for m, t in turns.items()}
     stamp = utc_stamp()
@@ -265,8 +269,9 @@ def run_call_bench(cfg: Config, args) -> int:
     for name, chat in remotes.items():
         header += f"- {name}: `{chat.model}` on {redact(chat.cfg.base_url)}; {remote_spec[name]}\n"
     header += "\n"
-    markdown = header + render(summary) + "\n\n" + render_tool_turns(tools) + "\n"
+    markdown = (header + render(summary) + "\n\n" + render_floor(floor, summary) + "\n\n"
+                + render_tool_turns(tools) + "\n")
     save_results(args.out, "call", stamp, markdown,
-                 {"summary": summary, "tool_turns": tools, "turns": turns,
+                 {"summary": summary, "tool_turns": tools, "floor": floor, "turns": turns,
                   "config": cfg.model_dump(mode="json")})
     return 0

@@ -182,7 +182,9 @@ class _HoldingUnfinished(BaseUserTurnStopStrategy):
         await super().handle_user_turn_started()
 
     async def handle_user_turn_stopped(self):
-        self._hold, self._heard = None, []  # the hold itself may be what ended the turn
+        if self._hold is not asyncio.current_task():  # else the hold is what ends the turn
+            await self._stop_hold()
+        self._hold, self._heard = None, []
         await super().handle_user_turn_stopped()
 
     async def cleanup(self):
