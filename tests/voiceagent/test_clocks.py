@@ -414,6 +414,26 @@ async def test_the_reply_to_a_tool_stays_on_its_turn_when_the_caller_speaks_mean
     assert r.clocks.request_to_first_token_ms == 690 and r.breakdown.tools_ms == 510
 
 
+async def test_a_tool_result_spoken_from_its_template_ends_the_turn_when_played():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await tool_turn_until_the_tool(obs)
+    await tool_call(obs, 1600, None)
+    # The tool's `say` template: the result goes to the context without a request; its text
+    # is the reply.
+    await broadcast(obs, FunctionCallResultFrame, 1610, function_name="lookup_order",
+                    tool_call_id="t1", arguments=ORDER, result={"status": "shipped"},
+                    run_llm=False)
+    await push(obs, LLMTextFrame("Order A 1 7 is shipped."), 1615, src=LLM)
+    await push(obs, TTSStartedFrame(), 1620, src=TTS)
+    await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1), 1700, src=TTS)
+    await push(obs, BotStartedSpeakingFrame(), 1710, src=OUT)
+    await push(obs, BotStoppedSpeakingFrame(), 3000, src=OUT)
+    [r] = records  # complete once played: no reply to its result is awaited
+    assert not r.interrupted and r.llm_text == "Order A 1 7 is shipped."
+    assert r.clocks.turn_end_to_first_audio_ms == 1710 - 1000
+
+
 async def test_a_tool_result_nobody_answers_leaves_the_next_question_its_own_turn():
     records = []
     obs = ClocksObserver("call-1", records.append)

@@ -81,9 +81,13 @@ class _ToolRun:
     ended_ns: int | None = None  # its final result, or its cancellation
     result_chars: int | None = None
     ok: bool = False
+    awaits_reply: bool = True  # its result goes to the LLM (not: a template spoke it, a hang-up)
 
     def finish(self, ts: int, frame: FunctionCallResultFrame) -> None:
         self.ended_ns = ts
+        properties = frame.properties
+        self.awaits_reply = not (frame.run_llm is False or (
+            properties is not None and properties.run_llm is False))
         # As the assistant aggregator writes it into the context.
         self.result_chars = len(json.dumps(frame.result, ensure_ascii=False, default=str))
         failed = isinstance(frame.result, dict) and "error" in frame.result
@@ -154,7 +158,7 @@ class _Turn:
     def tools_pending(self) -> bool:
         """A tool call runs, or ended after the latest request: its result awaits a request."""
         latest = self.latest_request_ns or 0
-        return any(run.ended_ns is None or run.ended_ns > latest
+        return any(run.ended_ns is None or (run.awaits_reply and run.ended_ns > latest)
                    for run in self.tool_calls.values())
 
     @property
