@@ -24,10 +24,10 @@ def test_variant_turns_on_its_features_and_only_those():
 
 def test_variant_overrides_apply_to_its_copy_of_the_config():
     cfg = load_config()
-    variant = Variant.parse("off+prepare:vad.stop_secs=0.3:tts.cpu_threads=1")
+    variant = Variant.parse("off+prepare:vad.stop_secs=0.7:tts.cpu_threads=1")
     changed = variant.configure(cfg)
-    assert (changed.vad.stop_secs, changed.tts.cpu_threads) == (0.3, 1)
-    assert cfg.vad.stop_secs == 0.5 and cfg.tts.cpu_threads == 0  # the base is untouched
+    assert (changed.vad.stop_secs, changed.tts.cpu_threads) == (0.7, 1)
+    assert cfg.vad.stop_secs == 0.3 and cfg.tts.cpu_threads == 0  # the base is untouched
 
 
 def test_a_variant_that_changes_the_speech_models_runs_on_its_own():

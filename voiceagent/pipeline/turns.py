@@ -1,13 +1,14 @@
 """When the caller's turn ends, and when a prepared reply stands: pipecat turn strategies.
 
-The turn ends at the VAD stop once the final transcript is in (`vad`), or when pipecat's local
-Smart Turn v3 model says the sentence is finished (`smart_turn`). With early preparation, a
-reply is started from the eager transcript of the caller's first pause (see stt.py), and this
-module decides its fate as pipecat's EagerUserTurnStopStrategy does: the turn end confirms it when
-the committed transcript matches (pipecat's NormalizedMatch: case and punctuation aside);
-otherwise, or when the caller goes on or the turn never ends, it is withdrawn with an
-EagerEndOfTurnCancelFrame. pipecat's own eager strategy leaves turn detection to the STT service;
-ours keeps the local one and adds the speculation to it.
+The turn ends at the VAD stop once the final transcript is in (`vad`; `turn.unfinished_hold_s`
+later when its words sound unfinished: "and", "the", "um", no closing punctuation), or when
+pipecat's local Smart Turn v3 model says the sentence is finished (`smart_turn`). With early
+preparation, a reply is started from the eager transcript of the caller's first pause (see
+stt.py), and this module decides its fate as pipecat's EagerUserTurnStopStrategy does: the turn
+end confirms it when the committed transcript matches (pipecat's NormalizedMatch: case and
+punctuation aside); otherwise, or when the caller goes on or the turn never ends, it is withdrawn
+with an EagerEndOfTurnCancelFrame. pipecat's own eager strategy leaves turn detection to the STT
+service; ours keeps the local one and adds the speculation to it.
 """
 
 from __future__ import annotations
