@@ -8,7 +8,8 @@ decodes that (whisper.cpp's `audio_ctx` does the same). A short context has a kn
 the decoder, expecting more audio, repeats itself or trails off. So the decode keeps its
 timestamps (a loop starts its segments after the audio ends, and those are dropped), its text is
 checked, and the padded run is made instead when it repeats, runs past what the audio can hold,
-or its log-probability is poor; the run says which window answered and why.
+its log-probability is poor, or it holds digits (a number read out digit by digit is where the
+short context errs most); the run says which window answered and why.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ def _doubt(text: str, n_tokens: int, budget: int, avg_logprob: float) -> str:
         return "repeats itself"
     if avg_logprob < MIN_AVG_LOGPROB:
         return f"log-probability {avg_logprob:.2f}"
+    if any(c.isdigit() for c in text):
+        # Digits read out one by one are where the short context errs most: on "order four
+        # eight two one three" 4 of 20 cut runs misheard the number, 1 of 20 padded ones.
+        return "digits"
     return ""
 
 
