@@ -64,10 +64,32 @@ def sounds_unfinished(text: str) -> bool:
     return last in CONTINUING or (last.isdigit() and len(last) <= 4)
 
 
-class _Preparing(BaseUserTurnStopStrategy):
-    """Adds early preparation to a stop strategy. The turn's transcript is its final segments
-    joined by spaces, as the user aggregator writes it to the context (the base strategies keep
-    their own `_text`, which one of them replaces on each segment)."""
+class _HeardWords(BaseUserTurnStopStrategy):
+    """Keeps the turn's final transcript segments (`_finals`), kept before the base strategy
+    sees each one. The turn's transcript is these joined by spaces, as the user aggregator writes
+    it to the context (the base strategies keep their own `_text`, which one of them replaces on
+    each segment)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._finals: list[str] = []
+
+    async def process_frame(self, frame: Frame) -> ProcessFrameResult:
+        if isinstance(frame, TranscriptionFrame) and frame.text.strip():
+            self._finals.append(frame.text.strip())
+        return await super().process_frame(frame)
+
+    async def handle_user_turn_started(self):
+        self._finals = []
+        await super().handle_user_turn_started()
+
+    async def handle_user_turn_stopped(self):
+        self._finals = []
+        await super().handle_user_turn_stopped()
+
+
+class _Preparing(_HeardWords):
+    """Adds early preparation to a stop strategy."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -75,13 +97,10 @@ class _Preparing(BaseUserTurnStopStrategy):
         self._speculation: UserTurnSpeculation | None = None
         self._timeout: asyncio.Task | None = None
         self._open = False  # a user turn is in progress (a backchannel over the bot is not one)
-        self._finals: list[str] = []  # this turn's final transcript segments
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, EagerTranscriptionFrame) and self._open:
             await self._speculate(frame.text)
-        elif isinstance(frame, TranscriptionFrame) and frame.text.strip():
-            self._finals.append(frame.text.strip())
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
             await self._take()  # the STT withdrew it; the frame itself reaches the LLM
         return await super().process_frame(frame)
@@ -104,12 +123,12 @@ class _Preparing(BaseUserTurnStopStrategy):
 
     async def handle_user_turn_started(self):
         await self._withdraw()
-        self._open, self._finals = True, []
+        self._open = True
         await super().handle_user_turn_started()
 
     async def handle_user_turn_stopped(self):
         await self._withdraw()
-        self._open, self._finals = False, []
+        self._open = False
         await super().handle_user_turn_stopped()
 
     async def cleanup(self):
@@ -144,7 +163,7 @@ class _Preparing(BaseUserTurnStopStrategy):
         return speculation
 
 
-class _HoldingUnfinished(BaseUserTurnStopStrategy):
+class _HoldingUnfinished(_HeardWords):
     """Adds the transcript's own cue to a stop strategy: a turn whose words sound unfinished
     (`sounds_unfinished`) waits `hold_s` more for the caller to go on before it ends, so the
     VAD's hangover can be short for a finished question and still long enough for "and, um".
@@ -153,18 +172,15 @@ class _HoldingUnfinished(BaseUserTurnStopStrategy):
     def __init__(self, *, hold_s: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self._hold_s = hold_s
-        self._heard: list[str] = []  # this turn's final transcript segments
         self._hold: asyncio.Task | None = None
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, VADUserStartedSpeakingFrame):
             await self._stop_hold()
-        elif isinstance(frame, TranscriptionFrame) and frame.text.strip():
-            self._heard.append(frame.text.strip())
         return await super().process_frame(frame)
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
-        if self._hold_s > 0 and self._hold is None and sounds_unfinished(" ".join(self._heard)):
+        if self._hold_s > 0 and self._hold is None and sounds_unfinished(" ".join(self._finals)):
             logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
             self._hold = self.task_manager.create_task(
                 self._held(enable_user_speaking_frames), f"{self}::unfinished_hold")
@@ -179,13 +195,12 @@ class _HoldingUnfinished(BaseUserTurnStopStrategy):
 
     async def handle_user_turn_started(self):
         await self._stop_hold()
-        self._heard = []
         await super().handle_user_turn_started()
 
     async def handle_user_turn_stopped(self):
         if self._hold is not asyncio.current_task():  # else the hold is what ends the turn
             await self._stop_hold()
-        self._hold, self._heard = None, []
+        self._hold = None
         await super().handle_user_turn_stopped()
 
     async def cleanup(self):
