@@ -65,6 +65,26 @@ class EagleHead(nn.Module):
     def get_output_embeddings(self) -> ReducedVocabHead:
         return self.head  # for the compatibility contract's logit-width check
 
+    # The cache interface `EagleProposer` drafts through (the lean head offers the same).
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self) -> DynamicCache:
+        return kv.new_cache(self)
+
+    @staticmethod
+    def length(cache: DynamicCache) -> int:
+        return kv.cache_length(cache)
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        kv.crop_to(cache, length)
+
 
 def build_from_target(target: PreTrainedModel, vocab_ids: torch.Tensor) -> EagleHead:
     """A head initialised from the target: its last layer, final norm and head rows; fc starts by

@@ -21,6 +21,7 @@ from llm_engine.errors import IncompatiblePairError
 from llm_engine.formats import FormatResult
 from llm_engine.lean import linear as lean_linear
 from llm_engine.lean import llama as lean_llama
+from llm_engine.lean.eagle import LeanEagleHead
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.loading import LoadedModel, load_causal_lm, model_bytes
 from llm_engine.pair_card import PairCard
@@ -145,7 +146,7 @@ def build_runtime(
     if engine_cfg.format == "auto" and target.device == "cpu":
         runner, format_results = _choose_format(target, engine_cfg, measurements, progress)
     else:
-        runner = make_runner(engine_cfg, target, engine_cfg.format)
+        runner = make_runner(engine_cfg, target, engine_cfg.format, measurements)
     if runner.format != target.dtype:
         target = dataclasses.replace(target, dtype=runner.format)  # the card names the format
     draft = load_draft(engine_cfg, target, cache_dir, progress) if "draft" in methods else None
@@ -164,7 +165,7 @@ def build_runtime(
                  f"{runner.name} runner; cached in {measurements.folder})")
     engine = SpeculativeEngine(
         runner.model, target.tokenizer, engine_cfg, _drafting(draft, runner, engine_cfg),
-        eagle_head=eagle.model if eagle else None, runner=runner, cost_model=costs,
+        eagle_head=_eagle_drafting(eagle, runner, engine_cfg), runner=runner, cost_model=costs,
     )
     if costs is None:
         engine.cost_model.key = key
@@ -176,11 +177,13 @@ def build_runtime(
 AGREEMENT_TEXTS = 16
 
 
-def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str) -> TargetRunner:
+def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
+                measurements: CostModelCache | None = None) -> TargetRunner:
     """The target's runner in `fmt` (a concrete format). engine.runner auto: the lean forward for
     bfloat16, int8 and q4 where it covers the architecture; the HF model as loaded otherwise,
     compiled on CUDA (CUDA graphs), eager on a CPU, where compiling HF's model costs minutes per
-    row bucket and its static cache makes every step attend over the whole context."""
+    row bucket and its static cache makes every step attend over the whole context. The lean
+    forward attends in the dtype measured fastest here (`measurements` caches it per machine)."""
     model = target.model
     kind = engine_cfg.runner
     if kind == "auto":
@@ -190,8 +193,9 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str) -> Targ
             ("compiled" if cuda else "eager")
     if kind == "lean":
         gguf = Path(target.source) if target.gguf_file else None
-        return LeanRunner(model, fmt, engine_cfg.max_context,
-                          engine_cfg.speculation.max_draft_tokens + 1, gguf)
+        max_rows = engine_cfg.speculation.max_draft_tokens + 1
+        return LeanRunner(model, fmt, engine_cfg.max_context, max_rows, gguf,
+                          attention_dtype=_attention_dtype(model, fmt, max_rows, measurements))
     if fmt not in formats.FORMATS:
         raise ValueError(f"engine.format {fmt} needs engine.runner lean (or auto)")
     if fmt != target.dtype:
@@ -199,6 +203,20 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str) -> Targ
     if kind == "compiled":
         return CompiledRunner(model, engine_cfg.max_context)
     return EagerRunner(model)
+
+
+def _attention_dtype(model: torch.nn.Module, fmt: str, max_rows: int,
+                     measurements: CostModelCache | None) -> torch.dtype:
+    """`lean_llama.fastest_attention_dtype`, measured once per machine and model shape."""
+    key = {**cost_model.machine_key(next(model.parameters()).device), "part": "attention",
+           "target": cost_model.model_key(model), "format": fmt, "max_rows": max_rows}
+    cached = measurements.load_record(key) if measurements else None
+    if cached is not None:
+        return getattr(torch, cached["chosen"])
+    chosen = lean_llama.fastest_attention_dtype(model, fmt, max_rows)
+    if measurements:
+        measurements.save_record(key, {"chosen": str(chosen).removeprefix("torch.")})
+    return chosen
 
 
 def _drafting(draft: LoadedModel | None, runner: TargetRunner, engine_cfg: EngineConfig):
@@ -211,7 +229,18 @@ def _drafting(draft: LoadedModel | None, runner: TargetRunner, engine_cfg: Engin
     if draft.model is runner.model:
         return runner
     return LeanRunner(draft.model, runner.format, engine_cfg.max_context,
-                      engine_cfg.speculation.max_draft_tokens + 1, probe=False)
+                      engine_cfg.speculation.max_draft_tokens + 1, probe=False,
+                      attention_dtype=runner.lean.attention_dtype)
+
+
+def _eagle_drafting(eagle: LoadedModel | None, runner: TargetRunner, engine_cfg: EngineConfig):
+    """The EAGLE head on the lean runner's path when the target is on it, else HF's layer."""
+    if eagle is None:
+        return None
+    if not isinstance(runner, LeanRunner) or lean_llama.supports(eagle.model.layer) is not None:
+        return eagle.model
+    return LeanEagleHead(eagle.model, runner.format, engine_cfg.max_context,
+                         runner.lean.attention_dtype)
 
 
 def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: CostModelCache,
@@ -224,7 +253,7 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
     if engine_cfg.runner in ("auto", "lean") and lean_llama.supports(target.model) is None:
         candidates += [f for f in ("int8", "q4") if lean_linear.available(f, torch.device("cpu"))]
     choice_key = {**cost_model.machine_key(torch.device(target.device)), "part": "format",
-                  "measured": "side by side",
+                  "measured": "side by side", "attention": "measured",
                   "target": cost_model.model_key(target.model), "file": target.file_sha256,
                   "candidates": candidates, "runner": engine_cfg.runner,
                   "max_rows": spec.max_draft_tokens + 1,
@@ -233,7 +262,7 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
     if cached is not None:
         progress(f"engine.format auto: {cached['chosen']} (measured on this machine "
                  f"{cached['measured_at']}; cached in {measurements.folder})")
-        return make_runner(engine_cfg, target, cached["chosen"]), \
+        return make_runner(engine_cfg, target, cached["chosen"], measurements), \
             [FormatResult.from_dict(r) for r in cached["results"]]
 
     def measure(runners: dict[str, TargetRunner]) -> dict[str, cost_model.CostModel]:
@@ -246,7 +275,7 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
     texts = [encode_chat(target.tokenizer, messages)
              for messages in heldout_conversations()[:AGREEMENT_TEXTS]]
     runner, fmt, results = formats.choose(
-        candidates, lambda f: make_runner(engine_cfg, target, f), measure,
+        candidates, lambda f: make_runner(engine_cfg, target, f, measurements), measure,
         make_runner(engine_cfg, target, "float32"), texts, spec.max_draft_tokens,
         engine_cfg.format_min_agreement, progress)
     measurements.save_record(choice_key, {
@@ -284,5 +313,7 @@ def _cost_key(runner: TargetRunner, target: LoadedModel, draft: LoadedModel | No
         "format": runner.format,
         "runner": runner.name,
         "rows": getattr(runner, "rows", "as-is"),  # the lean runner may pad short forwards
+        "attention": str(runner.lean.attention_dtype) if isinstance(runner, LeanRunner) else None,
+        "drafting": "lean" if isinstance(runner, LeanRunner) else "hf",  # draft and EAGLE head
         "max_rows": engine_cfg.speculation.max_draft_tokens + 1,
     }

@@ -6,11 +6,14 @@ few dozen operators per layer where HF's eager model issues ~50. HF's model stay
 (the formats' agreement is measured against it) and the fallback for other architectures.
 
 Numerics follow HF's: RMSNorm in fp32, rotary tables from the model's own `rotary_emb` (so every
-rope scaling HF knows, Llama 3's included), attention in the activation dtype, logits in fp32.
+rope scaling HF knows, Llama 3's included), logits in fp32. Attention (and the KV cache) runs in
+the activation dtype, or in fp32 where that measures faster: a CPU without native bf16 (AVX2 only)
+runs a bf16 `bmm` 3-17x slower than an fp32 one (`fastest_attention_dtype`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +56,44 @@ def activation_dtype(fmt: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
+def fastest_attention_dtype(model: nn.Module, fmt: str, max_rows: int, keys: int = 256,
+                            repeats: int = 15) -> torch.dtype:
+    """The format's activation dtype, or fp32 where the row attention (`_attend_rows`'s two
+    `bmm`s) runs clearly faster in fp32 on this machine, at 1 row and at `max_rows`, with the
+    model's heads. A GPU keeps the activation dtype.
+
+    The margin (fp32 at most 0.7x) keeps a near tie on the activation dtype; the caller caches the
+    answer per machine, so every process attends in the same dtype and says the same things."""
+    device = next(model.parameters()).device
+    dtype = activation_dtype(fmt, device)
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    generator = torch.Generator().manual_seed(0)
+    groups = heads // kv_heads
+
+    def cost(kind: torch.dtype) -> float:
+        total = 0.0
+        for rows in sorted({1, max_rows}):
+            q = torch.randn(kv_heads, rows * groups, head_dim, generator=generator).to(kind)
+            k = torch.randn(kv_heads, keys, head_dim, generator=generator).to(kind)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                probs = torch.softmax(torch.bmm(q, k.transpose(1, 2)).float(), dim=-1).to(kind)
+                torch.bmm(probs, k)
+                times.append(time.perf_counter() - t0)
+            total += sorted(times)[len(times) // 2]
+        return total
+
+    with torch.inference_mode():
+        cost(dtype)  # warm both paths before timing
+        cost(torch.float32)
+        return torch.float32 if cost(torch.float32) < 0.7 * cost(dtype) else dtype
+
+
 @dataclass
 class LeanCache:
     """Keys and values of every layer, [layers, kv_heads, max_len, head_dim]; `length` positions
@@ -71,7 +112,9 @@ class _Layer(nn.Module):
 
 
 class LeanLlama(nn.Module):
-    def __init__(self, model: nn.Module, fmt: str, gguf_file: str | Path | None = None):
+    def __init__(self, model: nn.Module, fmt: str, gguf_file: str | Path | None = None,
+                 attention_dtype: torch.dtype | None = None):
+        """attention_dtype: the KV cache's and the attention's (default: the activations')."""
         super().__init__()
         reason = supports(model)
         if reason:
@@ -85,6 +128,10 @@ class LeanLlama(nn.Module):
             raise ValueError(f"torch {torch.__version__} has no {fmt} kernel for "
                              f"{self.device.type}; use another engine.format")
         self.dtype = activation_dtype(fmt, self.device)
+        self.attention_dtype = attention_dtype or self.dtype
+        # Short forwards' queries padded to this many rows (0: as they come), where the
+        # attention's kernels round a row differently with the row count (the runner's probe).
+        self.attention_rows = 0
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -100,7 +147,7 @@ class LeanLlama(nn.Module):
 
         def proj(module: nn.Linear) -> nn.Module:
             name = next(n for n, p in params.items() if p is module.weight)
-            return self._linear(module, codes.get(name))
+            return self.linear(module, codes.get(name))
 
         self.layers = nn.ModuleList()
         for block in decoder.layers:
@@ -114,9 +161,14 @@ class LeanLlama(nn.Module):
                 block.post_attention_layernorm.weight.detach().to(self.dtype),
             ))
         self.norm = decoder.norm.weight.detach().to(self.dtype)
-        self.embed = decoder.embed_tokens.weight.detach().to(self.dtype)
+        # A bare decoder (an EAGLE head's layer, `llm_engine.lean.eagle`) has no embeddings or
+        # head of its own: it runs on given inputs (`run`) and returns hidden states.
+        embed = decoder.embed_tokens
+        self.embed = None if embed is None else embed.weight.detach().to(self.dtype)
         head = model.get_output_embeddings()
-        if not isinstance(head, nn.Linear):  # a compact draft's reduced-vocabulary head
+        if head is None:
+            self.head = None
+        elif not isinstance(head, nn.Linear):  # a compact draft's reduced-vocabulary head
             self.head = _OwnHead(head)
         elif fmt in ("float32", "bfloat16", "float16"):
             self.head = self._dense(head)
@@ -124,7 +176,8 @@ class LeanLlama(nn.Module):
             self.head = linear.Int8Linear.quantise(head.weight.detach(), self.dtype, _bias(head))
         self.q4_from_file = len(codes)
 
-    def _linear(self, module: nn.Linear, q4: Q4Weight | None) -> nn.Module:
+    def linear(self, module: nn.Linear, q4: Q4Weight | None = None) -> nn.Module:
+        """`module` in this forward's format (q4: the file's codes when given)."""
         weight, bias = module.weight.detach(), _bias(module)
         if self.format == "q4":
             if q4 is not None:  # the file's codes, unchanged
@@ -147,7 +200,7 @@ class LeanLlama(nn.Module):
         # of tens of MB is mapped and unmapped whole by the C allocator, where two halves of it
         # would come from its heap and fragment it call after call.
         both = torch.zeros((2, len(self.layers), self.kv_heads, max_len, self.head_dim),
-                           dtype=self.dtype, device=self.device)
+                           dtype=self.attention_dtype, device=self.device)
         return LeanCache(both[0], both[1])
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,33 +215,40 @@ class LeanLlama(nn.Module):
 
         A forward of up to `ROWS` rows (decode and verify) attends with `_attend_rows`, whose
         result for a row does not depend on the row count; longer ones (prefill) with SDPA."""
-        n = ids.shape[0]
-        x = self.embed[ids]
-        positions = torch.arange(start, start + n, device=ids.device)
+        return self.run(self.embed[ids], cache, start)
+
+    def run(self, x: torch.Tensor, cache: LeanCache, start: int) -> torch.Tensor:
+        """The layers and the final norm over inputs x [n, hidden] (see `forward`)."""
+        n = x.shape[0]
+        x = x.to(self.dtype)
+        positions = torch.arange(start, start + n, device=x.device)
         cos, sin = self.rope(positions)
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         short = n <= ROWS
         keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK if short else start + n
-        visible = torch.arange(keys, device=ids.device)[None, :] <= positions[:, None]
-        if short:  # one row per (query head, position), grouped by key head: [n * groups, keys]
-            bias = torch.zeros(visible.shape, device=ids.device).masked_fill_(
+        visible = torch.arange(keys, device=x.device)[None, :] <= positions[:, None]
+        rows = max(n, self.attention_rows) if short else n  # queries padded to a fixed count
+        if short:  # one row per (query head, position), grouped by key head: [rows * groups, keys]
+            visible = torch.cat([visible, visible[-1:].expand(rows - n, -1)])
+            bias = torch.zeros(visible.shape, device=x.device).masked_fill_(
                 ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms(x, layer.norm1, self.eps))
             # queries and keys rotated in one pass: elementwise, so the same numbers as apart
             qk = _rotate(qkv[:, :q_width + kv_width].view(n, -1, self.head_dim), cos, sin)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
+            q, k = qk[:, :self.heads].to(self.attention_dtype), qk[:, self.heads:]
             v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, self.head_dim)
             cache.k[i, :, start:start + n] = k.transpose(0, 1)
             cache.v[i, :, start:start + n] = v.transpose(0, 1)
             keys_i, values_i = cache.k[i, :, :keys], cache.v[i, :, :keys]
             if short:
-                attn = self._attend_rows(q, keys_i, values_i, bias)
+                attn = self._attend_rows(torch.cat([q, q[-1:].expand(rows - n, -1, -1)]),
+                                         keys_i, values_i, bias)[:n]
             else:
                 attn = nn.functional.scaled_dot_product_attention(
                     q.transpose(0, 1)[None], keys_i[None], values_i[None], attn_mask=visible,
                     enable_gqa=self.heads != self.kv_heads)[0].transpose(0, 1).reshape(n, q_width)
-            x = x + layer.o(attn)
+            x = x + layer.o(attn.to(self.dtype))
             gate, up = layer.gate_up(_rms(x, layer.norm2, self.eps)).chunk(2, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
         return _rms(x, self.norm, self.eps)

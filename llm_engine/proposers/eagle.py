@@ -15,6 +15,7 @@ import torch
 from llm_engine import kv
 from llm_engine.config import SpeculationConfig
 from llm_engine.eagle_head import EagleHead
+from llm_engine.lean.eagle import LeanEagleHead
 from llm_engine.proposers.base import Draft, ProposeContext, Proposer, register
 
 
@@ -24,14 +25,14 @@ class EagleProposer(Proposer):
     samples_drafts = True
     uses_target_hidden = True
 
-    def __init__(self, head: EagleHead):
+    def __init__(self, head: EagleHead | LeanEagleHead):
         self.head = head
-        self.device = next(head.parameters()).device
+        self.device = head.device
         self.release()
 
     @classmethod
     def create(cls, spec: SpeculationConfig, model: torch.nn.Module | None = None):
-        if not isinstance(model, EagleHead):
+        if not isinstance(model, EagleHead | LeanEagleHead):
             raise ValueError("speculation method 'eagle' needs an EAGLE head (engine.eagle)")
         return cls(model)
 
@@ -85,13 +86,13 @@ class EagleProposer(Proposer):
         return builder.build()
 
     def release(self) -> None:
-        self.cache = kv.new_cache(self.head)
+        self.cache = self.head.new_cache()
         self._buffer = torch.empty(256, self.head.config.hidden_size, device=self.device,
-                                   dtype=next(self.head.parameters()).dtype)
+                                   dtype=self.head.dtype)
         self._count = 0  # positions whose target features are in the buffer
         self._tokens: list[int] = []
         self._fed = 0  # positions whose head KV (from true features) is in self.cache
 
     def _crop(self, length: int) -> None:
-        kv.crop_to(self.cache, length)
+        self.head.crop(self.cache, length)
         self._fed = length

@@ -12,7 +12,7 @@ from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.lean import linear
-from llm_engine.lean.llama import LeanLlama, supports
+from llm_engine.lean.llama import LeanLlama, fastest_attention_dtype, supports
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.runner import EagerRunner
 from tests.llm_engine.test_engine import NEW_TOKENS, hf_greedy, random_prompts, run
@@ -21,14 +21,15 @@ MAX_ROWS = 6  # K_max + 1 with max_draft_tokens 5
 LEAN_FORMATS = ["bfloat16", "int8", "q4"]
 
 
-def lean(target, fmt: str) -> LeanRunner:
-    return LeanRunner(target, fmt, max_cache_len=256, max_rows=MAX_ROWS)
+def lean(target, fmt: str, attention: torch.dtype | None = None) -> LeanRunner:
+    return LeanRunner(target, fmt, max_cache_len=256, max_rows=MAX_ROWS,
+                      attention_dtype=attention)
 
 
-def invariant(target, fmt: str) -> LeanRunner:
+def invariant(target, fmt: str, attention: torch.dtype | None = None) -> LeanRunner:
     """The runner, where its rows are bit-identical here; else a visible skip (`auto` then never
     takes the format on this CPU, which the probe's own tests cover)."""
-    runner = lean(target, fmt)
+    runner = lean(target, fmt, attention)
     if runner.bit_identical is False:
         pytest.skip(f"{fmt}: this CPU's kernels are row-dependent even padded ({cpu_model()})")
     return runner
@@ -43,9 +44,12 @@ def test_the_float32_lean_forward_computes_hfs_logits(target):
     assert torch.allclose(got, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("attention", [None, torch.float32], ids=["attention-as-activations",
+                                                                  "attention-fp32"])
 @pytest.mark.parametrize("fmt", LEAN_FORMATS)
-def test_a_rows_logits_do_not_depend_on_how_many_rows_the_forward_carried(target, fmt):
-    runner = invariant(target, fmt)
+def test_a_rows_logits_do_not_depend_on_how_many_rows_the_forward_carried(
+        target, fmt, attention):
+    runner = invariant(target, fmt, attention)
     ids = torch.tensor([random_prompts(target.config.vocab_size, 1, seed=5)[0] * 4])
     start = 60  # the rows cross a 64-key block
     cache = runner.new_cache()
@@ -62,10 +66,11 @@ def test_a_rows_logits_do_not_depend_on_how_many_rows_the_forward_carried(target
     assert runner.bit_identical
 
 
-@pytest.mark.parametrize("fmt", ["q4", "bfloat16"])
+@pytest.mark.parametrize("fmt,attention", [("q4", None), ("bfloat16", None),
+                                            ("q4", torch.float32)])
 def test_greedy_speculation_on_the_lean_runner_equals_its_plain_decoding(
-        target, draft, tokenizer, fmt):
-    runner = invariant(target, fmt)
+        target, draft, tokenizer, fmt, attention):
+    runner = invariant(target, fmt, attention)
     config = EngineConfig(sampling=SamplingConfig(max_new_tokens=NEW_TOKENS), max_context=256,
                           speculation=SpeculationConfig(method="off", max_draft_tokens=5))
     off = SpeculativeEngine(target, tokenizer, config, runner=runner)
@@ -92,6 +97,22 @@ def test_lean_q4_greedy_mostly_follows_the_float32_model(target, tokenizer):
     prompts = random_prompts(len(tokenizer), 10, seed=2)
     same = sum(run(engine, p)[0][:1] == hf_greedy(target, p, 1) for p in prompts)
     assert same >= 7
+
+
+def test_fp32_attention_keeps_the_cache_in_fp32_and_moves_the_logits_only_by_rounding(target):
+    ids = torch.tensor([random_prompts(target.config.vocab_size, 1, seed=3)[0]])
+    as_is, fp32 = lean(target, "bfloat16"), lean(target, "bfloat16", torch.float32)
+    with torch.inference_mode():
+        cache = fp32.new_cache()
+        got = fp32.forward(cache, ids).logits
+        want = as_is.forward(as_is.new_cache(), ids).logits
+    assert cache.k.dtype == torch.float32 and as_is.new_cache().k.dtype == torch.bfloat16
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_the_attention_dtype_is_the_activations_or_fp32_and_fp32_stays_fp32(target):
+    assert fastest_attention_dtype(target, "float32", MAX_ROWS) == torch.float32
+    assert fastest_attention_dtype(target, "q4", MAX_ROWS) in (torch.bfloat16, torch.float32)
 
 
 def test_q4_quantisation_rounds_each_weight_to_its_groups_grid():
