@@ -129,7 +129,7 @@ class LeanLlama(nn.Module):
                              f"{self.device.type}; use another engine.format")
         self.dtype = activation_dtype(fmt, self.device)
         self.attention_dtype = attention_dtype or self.dtype
-        # Short forwards' queries padded to this many rows (0: as they come), where the
+        # Short forwards' queries padded to at least this many rows (0: as they come), where the
         # attention's kernels round a row differently with the row count (the runner's probe).
         self.attention_rows = 0
         self.heads = config.num_attention_heads
@@ -227,7 +227,7 @@ class LeanLlama(nn.Module):
         short = n <= ROWS
         keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK if short else start + n
         visible = torch.arange(keys, device=x.device)[None, :] <= positions[:, None]
-        rows = max(n, self.attention_rows) if short else n  # queries padded to a fixed count
+        rows = max(n, self.attention_rows) if short else n  # queries padded to a least count
         if short:  # one row per (query head, position), grouped by key head: [rows * groups, keys]
             visible = torch.cat([visible, visible[-1:].expand(rows - n, -1)])
             bias = torch.zeros(visible.shape, device=x.device).masked_fill_(
