@@ -183,7 +183,8 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
     bfloat16, int8 and q4 where it covers the architecture; the HF model as loaded otherwise,
     compiled on CUDA (CUDA graphs), eager on a CPU, where compiling HF's model costs minutes per
     row bucket and its static cache makes every step attend over the whole context. The lean
-    forward attends in the dtype measured fastest here (`measurements` caches it per machine)."""
+    forward attends in the dtype measured fastest here; `measurements` caches that and the
+    invariance probe's answer per machine."""
     model = target.model
     kind = engine_cfg.runner
     if kind == "auto":
@@ -194,8 +195,16 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
     if kind == "lean":
         gguf = Path(target.source) if target.gguf_file else None
         max_rows = engine_cfg.speculation.max_draft_tokens + 1
-        return LeanRunner(model, fmt, engine_cfg.max_context, max_rows, gguf,
-                          attention_dtype=_attention_dtype(model, fmt, max_rows, measurements))
+        attention = _attention_dtype(model, fmt, max_rows, measurements)
+        key = {**cost_model.machine_key(next(model.parameters()).device), "part": "invariance",
+               "target": cost_model.model_key(model), "file": target.file_sha256, "format": fmt,
+               "attention": str(attention), "max_rows": max_rows}
+        probed = measurements.load_record(key) if measurements else None
+        runner = LeanRunner(model, fmt, engine_cfg.max_context, max_rows, gguf,
+                            attention_dtype=attention, probed=probed)
+        if measurements and probed is None:
+            measurements.save_record(key, runner.probe_result)
+        return runner
     if fmt not in formats.FORMATS:
         raise ValueError(f"engine.format {fmt} needs engine.runner lean (or auto)")
     if fmt != target.dtype:

@@ -33,10 +33,12 @@ class LeanRunner(TargetRunner):
 
     def __init__(self, model: nn.Module, fmt: str, max_cache_len: int, max_rows: int,
                  gguf_file: str | Path | None = None, probe: bool = True,
-                 attention_dtype: torch.dtype | None = None):
+                 attention_dtype: torch.dtype | None = None, probed: dict | None = None):
         """probe=False: a draft's runner, whose rows need not be invariant (the target's
         verification keeps the output exact whatever a draft proposes). attention_dtype: see
-        `llm_engine.lean.llama.fastest_attention_dtype` (default: the activations')."""
+        `llm_engine.lean.llama.fastest_attention_dtype` (default: the activations'). probed: a
+        `probe_result` of this machine, model, format and attention dtype, taken instead of
+        probing again (seconds of every start)."""
         super().__init__(model)
         if max_rows > ROWS:
             raise ValueError(f"the lean runner verifies at most {ROWS} rows, not {max_rows}")
@@ -46,6 +48,10 @@ class LeanRunner(TargetRunner):
         self.max_cache_len = max_cache_len
         self.max_rows = max_rows
         self.pad_to = 0  # 0: rows as they come
+        if probe and probed is not None:
+            self.lean.attention_rows = probed["attention_rows"]
+            self.pad_to, self.bit_identical = probed["pad_to"], probed["bit_identical"]
+            return
         self.bit_identical = probe_invariance(self, max_rows) if probe else None
         # Then the attention's queries only, to 2 rows (the fp32 bmm on an AVX2 EPYC rounds
         # only a 1-row product differently) or to all of them: a few ms a step at most.
@@ -64,6 +70,11 @@ class LeanRunner(TargetRunner):
     @property
     def format(self) -> str:
         return self._format
+
+    @property
+    def probe_result(self) -> dict:
+        return {"attention_rows": self.lean.attention_rows, "pad_to": self.pad_to,
+                "bit_identical": self.bit_identical}
 
     @property
     def rows(self) -> str:

@@ -1,5 +1,6 @@
-"""The lean forward's attention dtype is measured once per machine and cached, so every process
-on a machine attends alike and says the same things (`voiceagent.llm_setup._attention_dtype`)."""
+"""What the lean runner measures about the machine at load, its attention dtype and the invariance
+probe's answer, is measured once per machine and cached, so every process on a machine runs alike
+and says the same things (`voiceagent.llm_setup`)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ import json
 
 import torch
 
+from llm_engine.config import EngineConfig, SpeculationConfig
 from llm_engine.cost_model import CostModelCache
+from llm_engine.loading import LoadedModel
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
-from voiceagent.llm_setup import _attention_dtype
+from voiceagent.llm_setup import _attention_dtype, make_runner
+
+
+def _records(folder, part: str) -> list:
+    return [p for p in folder.glob("*.json") if json.loads(p.read_text())["key"]["part"] == part]
 
 
 def test_the_attention_dtype_is_measured_once_and_then_read_from_the_cache(tmp_path):
     model = make_model(len(make_tokenizer()), seed=0)
     cache = CostModelCache(tmp_path)
     first = _attention_dtype(model, "q4", 6, cache)
-    records = list(tmp_path.glob("*.json"))
+    records = _records(tmp_path, "attention")
     assert len(records) == 1
     record = json.loads(records[0].read_text())
     assert record["chosen"] == str(first).removeprefix("torch.")
@@ -26,4 +33,21 @@ def test_the_attention_dtype_is_measured_once_and_then_read_from_the_cache(tmp_p
     records[0].write_text(json.dumps(record))
     assert _attention_dtype(model, "q4", 6, cache) == other
     _attention_dtype(model, "int8", 6, cache)  # another format: its own record
-    assert len(list(tmp_path.glob("*.json"))) == 2
+    assert len(_records(tmp_path, "attention")) == 2
+
+
+def test_the_invariance_probe_runs_once_and_a_later_runner_takes_its_answer(tmp_path):
+    tokenizer = make_tokenizer()
+    model = make_model(len(tokenizer), seed=0)
+    target = LoadedModel("tiny", "tiny", None, None, None, model, tokenizer, "cpu", "float32",
+                         0, 0.0, False)
+    config = EngineConfig(runner="lean", max_context=256,
+                          speculation=SpeculationConfig(max_draft_tokens=5))
+    cache = CostModelCache(tmp_path)
+    probed = make_runner(config, target, "q4", cache)
+    (record,) = _records(tmp_path, "invariance")
+    saved = json.loads(record.read_text())
+    assert {k: saved[k] for k in probed.probe_result} == probed.probe_result
+    # What the record says is what the next runner runs (here a padding it would not choose).
+    record.write_text(json.dumps({**saved, "attention_rows": 3}))
+    assert make_runner(config, target, "q4", cache).lean.attention_rows == 3
