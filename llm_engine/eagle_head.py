@@ -78,10 +78,6 @@ class EagleHead(nn.Module):
         return kv.new_cache(self)
 
     @staticmethod
-    def length(cache: DynamicCache) -> int:
-        return kv.cache_length(cache)
-
-    @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
         kv.crop_to(cache, length)
 

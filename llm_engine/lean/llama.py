@@ -227,9 +227,10 @@ class LeanLlama(nn.Module):
         short = n <= ROWS
         keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK if short else start + n
         visible = torch.arange(keys, device=x.device)[None, :] <= positions[:, None]
-        rows = max(n, self.attention_rows) if short else n  # queries padded to a least count
+        pad = max(self.attention_rows - n, 0) if short else 0  # queries padded to a least count
         if short:  # one row per (query head, position), grouped by key head: [rows * groups, keys]
-            visible = torch.cat([visible, visible[-1:].expand(rows - n, -1)])
+            if pad:
+                visible = torch.cat([visible, visible[-1:].expand(pad, -1)])
             bias = torch.zeros(visible.shape, device=x.device).masked_fill_(
                 ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
         for i, layer in enumerate(self.layers):
@@ -242,8 +243,8 @@ class LeanLlama(nn.Module):
             cache.v[i, :, start:start + n] = v.transpose(0, 1)
             keys_i, values_i = cache.k[i, :, :keys], cache.v[i, :, :keys]
             if short:
-                attn = self._attend_rows(torch.cat([q, q[-1:].expand(rows - n, -1, -1)]),
-                                         keys_i, values_i, bias)[:n]
+                padded = torch.cat([q, q[-1:].expand(pad, -1, -1)]) if pad else q
+                attn = self._attend_rows(padded, keys_i, values_i, bias)[:n]
             else:
                 attn = nn.functional.scaled_dot_product_attention(
                     q.transpose(0, 1)[None], keys_i[None], values_i[None], attn_mask=visible,
