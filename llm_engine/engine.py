@@ -3,8 +3,9 @@
 Draft-then-verify (Leviathan et al. 2023; Chen et al. 2023): a proposer drafts k tokens, the
 target scores all of them in one forward pass, `llm_engine.verify` keeps the longest acceptable
 prefix plus one recovered or bonus token, and both KV caches are rolled back to the committed
-tokens. The API is step-level so that a scheduler thread can round-robin between requests; each
-`RequestState` owns its caches, generator, proposer and statistics.
+tokens. The API is step-level so that a scheduler thread can step every request in turn (`step`) or
+all of them at once, their rows in one target forward (`step_many`); each `RequestState` owns its
+caches, generator, proposer and statistics.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from llm_engine.proposers import (
     model_settings,
     proposer_names,
 )
-from llm_engine.runner import EagerRunner, TargetRunner
+from llm_engine.runner import EagerRunner, Forward, TargetRunner
 from llm_engine.sampling import (
     gumbel_noise,
     is_greedy,
@@ -92,6 +93,34 @@ class RequestState:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids) :]
+
+
+@dataclass
+class _Drafted:
+    """A step drafted and not yet verified (`SpeculativeEngine._draft`)."""
+
+    k: int  # the draft length asked for
+    draft: Draft
+    rows: list[int]  # the target's rows: the last committed token, then the drafts
+    budget: int
+    first: int  # the target cache's length before the verify
+    t_start: float
+    t_drafted: float
+
+
+def _batches(steps: list[tuple[int, RequestState, _Drafted]],
+             max_rows: int) -> list[list[tuple[int, RequestState, _Drafted]]]:
+    """Drafted steps grouped, in order, into forwards of at most max_rows rows."""
+    batches: list[list] = []
+    rows = 0
+    for item in steps:
+        n = len(item[2].rows)
+        if not batches or rows + n > max_rows:
+            batches.append([])
+            rows = 0
+        batches[-1].append(item)
+        rows += n
+    return batches
 
 
 @dataclass
@@ -216,6 +245,46 @@ class SpeculativeEngine:
                 return self._prefill(state, budget)
             return self._speculative_step(state, budget)
 
+    def step_many(self, states: list[RequestState]) -> list[list[int] | Exception]:
+        """One step for each request, as `step` would take it, with the decode and verify rows of
+        several requests in one target forward where the runner shares forwards
+        (`TargetRunner.shared_rows`): each request keeps its own cache, proposer, sampling and
+        stats, and its tokens are the ones it would get alone. A prefill chunk runs alone.
+
+        Returns each request's new tokens, or the exception its step raised: one request's
+        failure is its own (a shared forward that fails is each of its requests')."""
+        results: dict[int, list[int] | Exception] = {}
+        drafted: list[tuple[int, RequestState, _Drafted]] = []
+        with torch.inference_mode():
+            for j, state in enumerate(states):
+                try:
+                    if self.runner.shared_rows and state.prefilled and not state.finished \
+                            and not state.cancelled and self._budget(state) > 0:
+                        drafted.append((j, state, self._draft(state, self._budget(state))))
+                    else:
+                        results[j] = self.step(state)
+                except Exception as exc:
+                    results[j] = exc
+            for batch in _batches(drafted, self.runner.shared_rows):
+                t0 = time.perf_counter()
+                try:
+                    if len(batch) == 1:
+                        outs = [self._verify_forward(batch[0][1], batch[0][2])]
+                    else:
+                        outs = self.runner.forward_many(
+                            [(state.cache, torch.tensor([step.rows], device=self.device))
+                             for _, state, step in batch])
+                except Exception as exc:
+                    results.update((j, exc) for j, _, _ in batch)
+                    continue
+                verify_s = time.perf_counter() - t0
+                for (j, state, step), out in zip(batch, outs, strict=True):
+                    try:
+                        results[j] = self._settle(state, step, out, verify_s)
+                    except Exception as exc:
+                        results[j] = exc
+        return [results[j] for j in range(len(states))]
+
     def release(self, state: RequestState) -> None:
         """Free the request's KV, or keep it as its session's prefix cache."""
         if state.released:
@@ -275,6 +344,17 @@ class SpeculativeEngine:
 
     def _speculative_step(self, state: RequestState, budget: int) -> list[int]:
         """Draft k tokens, verify them in one target forward, commit, roll back. k = 0 decodes."""
+        step = self._draft(state, budget)
+        out = self._verify_forward(state, step)
+        return self._settle(state, step, out, time.perf_counter() - step.t_drafted)
+
+    def _verify_forward(self, state: RequestState, step: _Drafted) -> Forward:
+        # Where the verify curve says more rows are cheaper (CPU row blocks), pad; the padding's
+        # logits are never read and its KV is cropped with the rejected drafts'.
+        rows = step.rows + step.rows[-1:] * (self.cost_model.rows(len(step.rows)) - len(step.rows))
+        return self.runner.forward(state.cache, torch.tensor([rows], device=self.device))
+
+    def _draft(self, state: RequestState, budget: int) -> _Drafted:
         # The bonus token means k drafts can commit k + 1 tokens: never draft past the budget.
         k = min(state.gate.limit(state.draft_length.k), self.spec.max_draft_tokens, budget - 1)
         t0 = time.perf_counter()
@@ -285,36 +365,35 @@ class SpeculativeEngine:
             draft = state.proposer.propose(ctx)
             if state.grammar is not None:  # the masks end where the grammar refuses a draft
                 draft = draft.head(state.grammar.constrain(draft.tokens))
-        t1 = time.perf_counter()
-        rows = [state.token_ids[-1], *draft.tokens]
-        # Where the verify curve says more rows are cheaper (CPU row blocks), pad; the padding's
-        # logits are never read and its KV is cropped with the rejected drafts'.
-        padded = rows + rows[-1:] * (self.cost_model.rows(len(rows)) - len(rows))
-        first = self.runner.length(state.cache)
-        out = self.runner.forward(state.cache, torch.tensor([padded], device=self.device))
-        result = self._verify(state, draft, out.logits[: len(rows)])  # [k + 1, vocab]
-        t2 = time.perf_counter()
+        return _Drafted(k, draft, [state.token_ids[-1], *draft.tokens], budget,
+                        self.runner.length(state.cache), t0, time.perf_counter())
 
+    def _settle(self, state: RequestState, step: _Drafted, out: Forward,
+                verify_s: float) -> list[int]:
+        """Verify a drafted step's rows (`out`, the target's forward over them), commit, record."""
+        draft = step.draft
+        result = self._verify(state, draft, out.logits[: len(step.rows)])  # [k + 1, vocab]
         drafted = len(draft.tokens)
         if drafted:
             state.proposer.update(result.num_accepted)
         state.draft_length.observe(drafted, result.num_accepted)
+        draft_s = step.t_drafted - step.t_start
         # The prediction only matters for a step that drafted: spare plain steps its search.
-        state.gate.observe(drafted, len(result.tokens), (t2 - t0) * 1000.0,
+        state.gate.observe(drafted, len(result.tokens), (draft_s + verify_s) * 1000.0,
                            pays=not drafted or state.draft_length.pays)
-        step = StepStats(
-            k=k,
+        stats = StepStats(
+            k=step.k,
             drafted=drafted,
             accepted=result.num_accepted,
             rejection_pos=result.rejection_pos,
             committed=0,
             grammar_drafted=draft.forced,
-            draft_ms=(t1 - t0) * 1000.0,
-            verify_ms=(t2 - t1) * 1000.0,
+            draft_ms=draft_s * 1000.0,
+            verify_ms=verify_s * 1000.0,
         )
-        state.stats.record_step(step)
-        new = self._commit(state, result.tokens, budget, first, out.hidden)
-        step.committed = len(new)
+        state.stats.record_step(stats)
+        new = self._commit(state, result.tokens, step.budget, step.first, out.hidden)
+        stats.committed = len(new)
         return new
 
     def _observe_target(self, state: RequestState, token_ids: list[int],

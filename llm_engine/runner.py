@@ -54,6 +54,14 @@ class TargetRunner:
         """input_ids [1, n] on top of the cache, which grows by n."""
         raise NotImplementedError
 
+    # Rows one shared forward may carry (`forward_many`); 0: this runner runs them one by one.
+    shared_rows = 0
+
+    def forward_many(self, steps: list[tuple[object, torch.Tensor]]) -> list[Forward]:
+        """Several requests' rows [(cache, input_ids [1, n])], each on its own cache: the same
+        as `forward` on each, in one pass where the runner can (`shared_rows`)."""
+        return [self.forward(cache, ids) for cache, ids in steps]
+
 
 class EagerRunner(TargetRunner):
     name = "eager"

@@ -4,12 +4,14 @@ Sync torch, async pipeline, one bridge. The event loop never touches torch: it
 submits a request and awaits `TextDelta`s that the worker hands over with
 `loop.call_soon_threadsafe`.
 
-Scheduling: requests are admitted in arrival order and the worker gives each active request one
-engine step in turn (prefill, or one draft+verify), round-robin. A new call's prefill therefore
-waits at most one step of each other request, and a long reply cannot starve anyone. Each forward
-runs at batch size 1: on a CPU and at voice-agent concurrency (a few calls per process) batching
-would add latency to every call for throughput nobody needs; a GPU deployment that needs many
-calls per device should move generation to vLLM/SGLang behind the same interface.
+Scheduling: requests are admitted in arrival order, and each round the worker gives every active
+request one engine step (`SpeculativeEngine.step_many`): a prefill chunk alone, and every
+request's decode or verify rows together in one target forward where the runner shares forwards
+(the lean runner, up to its probed row count; each request keeps its own cache, and its tokens
+are the ones it would get alone). Two callers then cost much less than two forwards: the weights
+are read once for both. A new call's prefill waits at most one round, and a long reply cannot
+starve anyone. A GPU deployment that needs many calls per device should move generation to
+vLLM/SGLang behind the same interface.
 
 Cancellation (barge-in): `RequestHandle.cancel()`, or cancelling the task that awaits the handle,
 sets the request's flag; the worker honours it at the next step boundary, frees the KV, and
@@ -278,20 +280,28 @@ class AsyncEngine:
                     active.append(item)
             except queue.Empty:
                 pass
-            handle = active[0]  # left in `active` while it steps: a crash still fails it
-            if self._step(handle):
-                active.rotate(-1)
-            else:
-                active.popleft()
+            # One step for every request, their decode rows in one forward where the runner
+            # shares forwards; they stay in `active` while they step: a crash still fails them.
+            # Cancelled requests end first, so that their KV is back in their session's cache
+            # before a newer request of the same session prefills.
+            cancelled = [handle for handle in active if handle.state.cancelled]
+            going = [handle for handle in active if handle not in cancelled]
+            for handles in (cancelled, going):
+                results = self.engine.step_many([handle.state for handle in handles])
+                for handle, result in zip(handles, results, strict=True):
+                    if not self._stepped(handle, result):
+                        active.remove(handle)
 
-    def _step(self, handle: RequestHandle) -> bool:
-        """One engine step for one request; False when it is over."""
+    def _stepped(self, handle: RequestHandle, result: list[int] | Exception) -> bool:
+        """Hand over one request's step (its tokens, or the exception it raised); False when the
+        request is over."""
         st = handle.state
         try:
-            tokens = self.engine.step(st)
-            stopped = handle._emit(tokens, time.perf_counter()) if tokens else False
+            if isinstance(result, Exception):
+                raise result
+            stopped = handle._emit(result, time.perf_counter()) if result else False
         except Exception as exc:  # one bad request must not take the worker down
-            log.exception("request failed")
+            log.error("request failed", exc_info=exc)
             self._end(handle, "error", f"{type(exc).__name__}: {exc}")
             return False
         if stopped:

@@ -169,6 +169,9 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
                    "agreement and log-prob difference against fp32")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
+    p.add_argument("--batch", help="sessions decoding at once, comma-separated (e.g. 1,2,4): "
+                   "aggregate and per-session tok/s, one step each against one shared forward, "
+                   "for each of --modes (default: off and engine.speculation.method)")
     _bench_out(p)
 
 
@@ -235,6 +238,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from voiceagent.bench.prompt_sets import DEFAULT_PROMPTS
 
     args.prompts = args.prompts or str(DEFAULT_PROMPTS)
+    if args.batch:
+        from voiceagent.bench.batch import run_batch_bench
+
+        return run_batch_bench(load_config(args.config, args.overrides), args)
     return run_engine_bench(load_config(args.config, args.overrides), args)
 
 

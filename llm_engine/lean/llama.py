@@ -104,6 +104,26 @@ class LeanCache:
     length: int = 0
 
 
+@dataclass
+class _Part:
+    """One sequence of a forward (`LeanLlama.run_many`)."""
+
+    rows: slice  # its rows in the forward
+    positions: torch.Tensor  # [n]
+    visible: torch.Tensor  # [n (+ pad), keys] bool
+    pad: int  # its queries padded by this many rows (`attention_rows`)
+    bias: torch.Tensor | None  # the short path's additive mask; None: SDPA (prefill)
+    # every layer's cache slots for its rows, and the keys and values it attends over
+    k_new: torch.Tensor  # [layers, kv_heads, n, dim]
+    v_new: torch.Tensor
+    k_seen: torch.Tensor  # [layers, kv_heads, keys, dim]
+    v_seen: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return self.rows.stop - self.rows.start
+
+
 class _Layer(nn.Module):
     def __init__(self, qkv, o, gate_up, down, norm1, norm2):
         super().__init__()
@@ -219,40 +239,76 @@ class LeanLlama(nn.Module):
 
     def run(self, x: torch.Tensor, cache: LeanCache, start: int) -> torch.Tensor:
         """The layers and the final norm over inputs x [n, hidden] (see `forward`)."""
-        n = x.shape[0]
+        return self.run_many(x, [(cache, start, x.shape[0])])
+
+    def run_many(self, x: torch.Tensor, parts: list[tuple[LeanCache, int, int]]) -> torch.Tensor:
+        """Several sequences in one forward: x [sum n, hidden] holds, in order, the rows of each
+        part (cache, start, n). The projections and the MLP run once over every row; each part
+        writes its own cache and attends over it alone, padded as it would be alone, so a part's
+        rows come out as they would alone wherever the kernels are row-invariant (the runner's
+        probe). A part longer than `ROWS` (prefill) runs only alone."""
         x = x.to(self.dtype)
-        positions = torch.arange(start, start + n, device=x.device)
+        if len(parts) > 1 and any(n > ROWS for _, _, n in parts):
+            raise ValueError(f"only forwards of at most {ROWS} rows share a forward")
+        offsets = [0]
+        for _, _, n in parts:
+            offsets.append(offsets[-1] + n)
+        plans = [self._plan(cache, start, slice(offsets[j], offsets[j + 1]), x.device)
+                 for j, (cache, start, _) in enumerate(parts)]
+        positions = plans[0].positions if len(plans) == 1 else \
+            torch.cat([plan.positions for plan in plans])
         cos, sin = self.rope(positions)
+        rows = x.shape[0]
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        short = n <= ROWS
-        keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK if short else start + n
-        visible = torch.arange(keys, device=x.device)[None, :] <= positions[:, None]
-        pad = max(self.attention_rows - n, 0) if short else 0  # queries padded to a least count
-        if short:  # one row per (query head, position), grouped by key head: [rows * groups, keys]
-            if pad:
-                visible = torch.cat([visible, visible[-1:].expand(pad, -1)])
-            bias = torch.zeros(visible.shape, device=x.device).masked_fill_(
-                ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(_rms(x, layer.norm1, self.eps))
             # queries and keys rotated in one pass: elementwise, so the same numbers as apart
-            qk = _rotate(qkv[:, :q_width + kv_width].view(n, -1, self.head_dim), cos, sin)
+            qk = _rotate(qkv[:, :q_width + kv_width].view(rows, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.heads].to(self.attention_dtype), qk[:, self.heads:]
-            v = qkv[:, q_width + kv_width:].view(n, self.kv_heads, self.head_dim)
-            cache.k[i, :, start:start + n] = k.transpose(0, 1)
-            cache.v[i, :, start:start + n] = v.transpose(0, 1)
-            keys_i, values_i = cache.k[i, :, :keys], cache.v[i, :, :keys]
-            if short:
-                padded = torch.cat([q, q[-1:].expand(pad, -1, -1)]) if pad else q
-                attn = self._attend_rows(padded, keys_i, values_i, bias)[:n]
+            v = qkv[:, q_width + kv_width:].view(rows, self.kv_heads, self.head_dim)
+            if len(plans) == 1:
+                attn = self._attend(i, plans[0], q, k, v)
             else:
-                attn = nn.functional.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None], keys_i[None], values_i[None], attn_mask=visible,
-                    enable_gqa=self.heads != self.kv_heads)[0].transpose(0, 1).reshape(n, q_width)
+                attn = torch.cat([self._attend(i, plan, q[plan.rows], k[plan.rows], v[plan.rows])
+                                  for plan in plans])
             x = x + layer.o(attn.to(self.dtype))
             gate, up = layer.gate_up(_rms(x, layer.norm2, self.eps)).chunk(2, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
         return _rms(x, self.norm, self.eps)
+
+    def _plan(self, cache: LeanCache, start: int, rows: slice, device: torch.device) -> _Part:
+        """What a part's attention needs in every layer: its positions, the keys it attends
+        over, and for a short part its additive mask, its queries padded (`attention_rows`)."""
+        n = rows.stop - rows.start
+        positions = torch.arange(start, start + n, device=device)
+        short = n <= ROWS
+        keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK if short else start + n
+        visible = torch.arange(keys, device=device)[None, :] <= positions[:, None]
+        pad = max(self.attention_rows - n, 0) if short else 0  # queries padded to a least count
+        bias = None
+        if short:  # one row per (query head, position), grouped by key head: [rows * groups, keys]
+            if pad:
+                visible = torch.cat([visible, visible[-1:].expand(pad, -1)])
+            bias = torch.zeros(visible.shape, device=device).masked_fill_(
+                ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
+        return _Part(rows, positions, visible, pad, bias,
+                     cache.k[:, :, start:start + n], cache.v[:, :, start:start + n],
+                     cache.k[:, :, :keys], cache.v[:, :, :keys])
+
+    def _attend(self, i: int, part: _Part, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention for one part: its keys and values written to its cache, its
+        queries [n, heads, dim] over the keys it sees. Returns [n, heads * dim]."""
+        n = part.n
+        part.k_new[i].copy_(k.transpose(0, 1))
+        part.v_new[i].copy_(v.transpose(0, 1))
+        keys, values = part.k_seen[i], part.v_seen[i]
+        if part.bias is None:
+            return nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=part.visible,
+                enable_gqa=self.heads != self.kv_heads)[0].transpose(0, 1).reshape(n, -1)
+        padded = torch.cat([q, q[-1:].expand(part.pad, -1, -1)]) if part.pad else q
+        return self._attend_rows(padded, keys, values, part.bias)[:n]
 
     def _attend_rows(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      bias: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,13 @@ class LeanRunner(TargetRunner):
         return self._format
 
     @property
+    def shared_rows(self) -> int:
+        """Several requests' rows share one forward up to the probed row count, where rows run
+        as they come: the probe showed every kernel gives a row the same numbers in any forward
+        of up to that many rows. A runner that pads whole forwards runs them one by one."""
+        return 0 if self.pad_to else self.max_rows
+
+    @property
     def probe_result(self) -> dict:
         return {"attention_rows": self.lean.attention_rows, "pad_to": self.pad_to,
                 "bit_identical": self.bit_identical}
@@ -106,6 +113,27 @@ class LeanRunner(TargetRunner):
         hidden = self.lean(run, cache, start)[:n]
         cache.length = start + n
         return Forward(self.lean.logits(hidden[-1:] if last_only else hidden), hidden)
+
+    @torch.inference_mode()
+    def forward_many(self, steps: list[tuple[LeanCache, torch.Tensor]]) -> list[Forward]:
+        rows = sum(ids.shape[1] for _, ids in steps)
+        if len(steps) < 2 or rows > self.shared_rows:
+            return super().forward_many(steps)
+        parts = []
+        for cache, ids in steps:
+            if cache.length + ids.shape[1] > self.max_cache_len:
+                raise ValueError(f"{cache.length + ids.shape[1]} positions exceed the cache "
+                                 f"({self.max_cache_len})")
+            parts.append((cache, cache.length, ids.shape[1]))
+        ids = torch.cat([ids[0] for _, ids in steps])
+        hidden = self.lean.run_many(self.lean.embed[ids], parts)
+        logits = self.lean.logits(hidden)
+        out, first = [], 0
+        for cache, start, n in parts:
+            cache.length = start + n
+            out.append(Forward(logits[first:first + n], hidden[first:first + n]))
+            first += n
+        return out
 
 
 @torch.inference_mode()

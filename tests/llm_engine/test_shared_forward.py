@@ -1,0 +1,127 @@
+"""Several requests' decode and verify rows in one target forward (`SpeculativeEngine.step_many`,
+`LeanRunner.forward_many`): each request gets what it would alone, bit for bit, on tiny random
+Llamas in the lean formats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.serving import AsyncEngine
+from tests.llm_engine.requests import run
+from tests.llm_engine.test_engine import NEW_TOKENS, random_prompts
+from tests.llm_engine.test_lean import LEAN_FORMATS, MAX_ROWS, invariant
+
+
+def engine(target, tokenizer, runner, method="off", **sampling) -> SpeculativeEngine:
+    config = EngineConfig(
+        sampling=SamplingConfig(max_new_tokens=NEW_TOKENS, **sampling), max_context=256,
+        speculation=SpeculationConfig(method=method, max_draft_tokens=MAX_ROWS - 1, gate=False))
+    return SpeculativeEngine(target, tokenizer, config, runner=runner)
+
+
+def step_together(engine: SpeculativeEngine, prompts, cancel_at: dict[int, int] | None = None):
+    """Every request stepped with `step_many` until all end; request j cancelled after
+    `cancel_at[j]` steps. Returns each one's tokens."""
+    states = [engine.start(p) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    steps = 0
+    while not all(s.finished for s in states):
+        steps += 1
+        for j, after in (cancel_at or {}).items():
+            if steps == after:
+                states[j].cancel()
+        live = [j for j, s in enumerate(states) if not s.finished]
+        for j, result in zip(live, engine.step_many([states[j] for j in live]), strict=True):
+            assert not isinstance(result, Exception), result
+            tokens[j] += result
+    for state in states:
+        engine.release(state)
+    return tokens
+
+
+@pytest.mark.parametrize("fmt", LEAN_FORMATS)
+def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, fmt):
+    runner = invariant(target, fmt)
+    prompts = random_prompts(target.config.vocab_size, 3, seed=21)
+    caches, steps = [], []
+    with torch.inference_mode():
+        for j, prompt in enumerate(prompts):  # different lengths, one across a key block
+            cache = runner.new_cache()
+            runner.forward(cache, torch.tensor([(prompt * 8)[:40 + 11 * j]]))
+            caches.append(cache)
+            steps.append(torch.tensor([prompt[:1 + j]]))  # 1, 2 and 3 rows
+        starts = [c.length for c in caches]
+        together = runner.forward_many(list(zip(caches, steps, strict=True)))
+        for cache, start, ids, shared in zip(caches, starts, steps, together, strict=True):
+            assert cache.length == start + ids.shape[1]
+            runner.crop(cache, start)
+            alone = runner.forward(cache, ids)
+            assert torch.equal(shared.logits, alone.logits)
+            assert torch.equal(shared.hidden, alone.hidden)
+
+
+@pytest.mark.parametrize("method", ["off", "ngram"])
+def test_requests_stepped_together_decode_what_each_decodes_alone(target, tokenizer, method):
+    runner = invariant(target, "q4")
+    eng = engine(target, tokenizer, runner, method)
+    prompts = random_prompts(len(tokenizer), 4, seed=8)
+    alone = [run(eng, p)[0] for p in prompts]
+    shared = []
+    eng.runner.forward_many = _counting(eng.runner.forward_many, shared)
+    assert step_together(eng, prompts) == alone
+    assert max(shared) == len(prompts)  # the decode steps did share forwards
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(target, tokenizer):
+    eng = engine(target, tokenizer, invariant(target, "q4"), "ngram")
+    prompts = random_prompts(len(tokenizer), 3, seed=9)
+    alone = [run(eng, p)[0] for p in prompts]
+    got = step_together(eng, prompts, cancel_at={1: 4})
+    assert got[0] == alone[0] and got[2] == alone[2]
+    assert got[1] == alone[1][:len(got[1])] and len(got[1]) < len(alone[1])
+
+
+def test_one_requests_failure_in_a_shared_step_is_its_own(target, tokenizer):
+    eng = engine(target, tokenizer, invariant(target, "q4"), "ngram")
+    prompts = random_prompts(len(tokenizer), 3, seed=10)
+    alone = [run(eng, p)[0] for p in prompts]
+    states = [eng.start(p) for p in prompts]
+    eng.step_many(states)  # the prefills
+    broken = states[1].proposer
+
+    def propose(ctx):
+        raise RuntimeError("drafting broke")
+
+    broken.propose = propose
+    first = eng.step_many(states)
+    assert isinstance(first[1], RuntimeError)
+    assert first[0] == alone[0][1:1 + len(first[0])]
+    assert first[2] == alone[2][1:1 + len(first[2])]
+
+
+async def test_the_serving_worker_shares_forwards_between_live_requests(target, tokenizer):
+    eng = engine(target, tokenizer, invariant(target, "q4"), "off")
+    prompts = random_prompts(len(tokenizer), 4, seed=12)
+    alone = [run(eng, p)[0] for p in prompts]
+    shared = []
+    eng.runner.forward_many = _counting(eng.runner.forward_many, shared)
+    serving = AsyncEngine(eng)
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(serving.generate(p) for p in prompts)), 60)
+    finally:
+        serving.close()
+    assert [r.token_ids for r in results] == alone
+    assert max(shared) >= 2
+
+
+def _counting(forward_many, sizes: list[int]):
+    def counted(steps):
+        sizes.append(len(steps))
+        return forward_many(steps)
+    return counted

@@ -1,0 +1,47 @@
+"""`voiceagent bench engine --batch`: sessions decoding at once, on a tiny random Llama through
+the lean runner (no model loading)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.lean.runner import LeanRunner
+from tests.llm_engine.test_engine import random_prompts
+from voiceagent.bench.batch import aggregate_tok_s, decode_together, render, run_batch
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer, model):
+    runner = LeanRunner(model, "q4", max_cache_len=256, max_rows=6)
+    if not runner.shared_rows:
+        pytest.skip("this CPU's q4 kernels need whole forwards padded: nothing is shared")
+    config = EngineConfig(sampling=SamplingConfig(max_new_tokens=12), max_context=256,
+                          speculation=SpeculationConfig(method="off", max_draft_tokens=5))
+    return SpeculativeEngine(model, tokenizer, config, runner=runner)
+
+
+def test_the_aggregate_rate_is_every_sessions_decoded_tokens_over_the_shared_time(engine):
+    prompts = random_prompts(engine.runner.lean.vocab, 3, seed=4)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    got = decode_together(engine, prompts, sampling, "off", shared=True)
+    decoded = sum(len(out) - 1 for out in got["outputs"])  # each session's first came at prefill
+    seconds = decoded / got["aggregate_tok_s"]
+    assert 0 < seconds < 60
+    assert aggregate_tok_s(decoded, seconds) == pytest.approx(got["aggregate_tok_s"])
+    assert aggregate_tok_s(5, 0.0) == 0.0
+
+
+def test_the_batch_table_runs_each_mode_and_count_and_says_the_outputs_are_identical(engine):
+    prompts = random_prompts(engine.runner.lean.vocab, 4, seed=6)
+    rows = run_batch(engine, prompts, [1, 2], ["off", "ngram"], 10, say=lambda _: None)
+    assert [(r["mode"], r["sessions"]) for r in rows] == \
+        [("off", 1), ("off", 2), ("ngram", 1), ("ngram", 2)]
+    assert all(r["identical"] for r in rows)
+    assert all(r["shared_vs_one_session"] == pytest.approx(
+        r["shared_tok_s"] / next(o["shared_tok_s"] for o in rows
+                                 if o["mode"] == r["mode"] and o["sessions"] == 1))
+               for r in rows)
+    table = render(rows, ["# header"])
+    assert "| off | 2 |" in table and "**no**" not in table

@@ -1,0 +1,144 @@
+"""`voiceagent bench engine --batch 1,2,4`: several sessions decoding at once on one engine.
+
+For each mode and each number of sessions, the same requests (greedy, the prompt set's
+conversation prompts, one per session) run twice side by side, stepped as the serving worker
+steps them: one step per request in turn (`engine.step`, each its own forward) and one shared
+step per round (`engine.step_many`: every request's rows in one forward where the runner shares
+forwards). Each request is prefilled first; the figures are its decode phase:
+
+- aggregate tok/s (`aggregate_tok_s`): every session's tokens after its first, over the wall
+  time from the decode phase's start to the last session's end;
+- per-session tok/s: each request's own decode rate (`RequestStats.tokens_per_s`), the median;
+- identical: every session's tokens equal the same prompt's run alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from llm_engine.config import SamplingConfig
+from llm_engine.engine import SpeculativeEngine
+from llm_engine.prompts import encode_chat
+from llm_engine.proposers import check_method
+from voiceagent import logs
+from voiceagent.bench.engine import machine_info
+from voiceagent.bench.prompt_sets import load_prompt_set, messages
+from voiceagent.config import Config
+from voiceagent.figures import fmt
+
+
+def aggregate_tok_s(decoded_tokens: int, seconds: float) -> float:
+    """Every session's decoded tokens (after its first) per second of the shared wall time."""
+    return decoded_tokens / seconds if seconds > 0 else 0.0
+
+
+def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
+                    sampling: SamplingConfig, method: str, shared: bool) -> dict:
+    """The prompts as live requests to their end; `shared`: stepped with `step_many`, else one
+    `step` each in turn (the worker before shared forwards)."""
+    states = [engine.start(p, sampling, method=method) for p in prompts]
+    while not all(s.prefilled or s.finished for s in states):
+        for state in states:
+            if not (state.prefilled or state.finished):
+                engine.step(state)
+    first_tokens = [len(s.output_ids) for s in states]
+    t0 = time.perf_counter()
+    while live := [s for s in states if not s.finished]:
+        results = engine.step_many(live) if shared else [engine.step(s) for s in live]
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise failed[0]
+    seconds = time.perf_counter() - t0
+    for state in states:
+        engine.release(state)
+    decoded = sum(len(s.output_ids) - n for s, n in zip(states, first_tokens, strict=True))
+    return {
+        "aggregate_tok_s": aggregate_tok_s(decoded, seconds),
+        "session_tok_s": [s.stats.tokens_per_s for s in states],
+        "outputs": [s.output_ids for s in states],
+    }
+
+
+def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[int],
+              modes: list[str], max_new_tokens: int, say=logs.write) -> list[dict]:
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
+    rows = []
+    for mode in modes:
+        for sessions in sizes:
+            chosen = [prompts[j % len(prompts)] for j in range(sessions)]
+            say(f"batch: {mode}, {sessions} session(s)")
+            decode_together(engine, chosen[:1], sampling, mode, shared=True)  # warm this mode
+            one_by_one = decode_together(engine, chosen, sampling, mode, shared=False)
+            together = decode_together(engine, chosen, sampling, mode, shared=True)
+            per_session = [t for t in together["session_tok_s"] if t is not None]
+            rows.append({
+                "mode": mode,
+                "sessions": sessions,
+                "one_by_one_tok_s": one_by_one["aggregate_tok_s"],
+                "shared_tok_s": together["aggregate_tok_s"],
+                "session_tok_s_p50": statistics.median(per_session) if per_session else None,
+                "identical": together["outputs"] == one_by_one["outputs"],
+            })
+    for row in rows:  # against one session of the same mode, measured in this run
+        one = next(r for r in rows if r["mode"] == row["mode"] and r["sessions"] == min(sizes))
+        row["shared_vs_one_session"] = row["shared_tok_s"] / one["shared_tok_s"]
+    return rows
+
+
+def render(rows: list[dict], header: list[str]) -> str:
+    lines = [*header, "",
+             "| mode | sessions | one by one, tok/s | shared forward, tok/s | shared ÷ one by one "
+             "| shared ÷ 1 session | per-session tok/s p50 | identical |",
+             "| --- | --: | --: | --: | --: | --: | --: | --- |"]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['sessions']} | {fmt(r['one_by_one_tok_s'], 1)} | "
+            f"{fmt(r['shared_tok_s'], 1)} | {fmt(r['shared_tok_s'] / r['one_by_one_tok_s'], 2)}x | "
+            f"{fmt(r['shared_vs_one_session'], 2)}x | {fmt(r['session_tok_s_p50'], 1)} | "
+            f"{'yes' if r['identical'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_batch_bench(cfg: Config, args) -> int:
+    from voiceagent.llm_setup import build_runtime
+
+    sizes = sorted({int(n) for n in args.batch.split(",")})
+    if not sizes or sizes[0] < 1:
+        raise ValueError("--batch takes session counts of at least 1, e.g. 1,2,4")
+    modes = [m.strip() for m in (args.modes or f"off,{cfg.engine.speculation.method}").split(",")]
+    modes = list(dict.fromkeys(m for m in modes if m))
+    for mode in modes:
+        check_method(mode, "method")
+    started, load_at_start = datetime.now(UTC), os.getloadavg()[0]
+    runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, logs.write, also=modes)
+    engine, tokenizer = runtime.engine, runtime.target.tokenizer
+    prompt_set = load_prompt_set(args.prompts)
+    texts = [t for name, seg in prompt_set.segments.items()
+             if name not in prompt_set.tools and name not in prompt_set.on_request for t in seg]
+    prompts = [encode_chat(tokenizer, messages(prompt_set.system, t)) for t in texts]
+    rows = run_batch(engine, prompts, sizes, modes, args.max_new_tokens or 64)
+    machine = {**machine_info(engine.device), "load_avg_1m_at_start": load_at_start}
+    header = [
+        f"# Engine, sessions at once ({started:%Y-%m-%d %H:%M} UTC)", "",
+        f"- CPU: {machine['cpu']}, {machine['cpu_count']} cores, torch threads "
+        f"{machine['torch_threads']}; load {load_at_start:.1f} at start, "
+        f"{machine['load_avg_1m']:.1f} at end",
+        f"- target {cfg.engine.target}, format {engine.runner.format} ({engine.runner.name} "
+        f"runner, shares forwards of up to {engine.runner.shared_rows} rows), greedy, "
+        f"{args.max_new_tokens or 64} new tokens a session",
+    ]
+    markdown = render(rows, header)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = started.strftime("%Y%m%dT%H%M%SZ")
+    (out / f"batch-{stamp}.json").write_text(json.dumps(
+        {"started_utc": started.isoformat(), "machine": machine, "rows": rows}, indent=1))
+    (out / f"batch-{stamp}.md").write_text(markdown)
+    print(markdown)
+    logs.write(f"wrote {out / f'batch-{stamp}.md'}")
+    return 0 if all(r["identical"] for r in rows) else 1
