@@ -84,6 +84,9 @@ class ServerConfig(BaseModel):
     max_message_bytes: int = Field(64 * 1024, ge=1024)
     idle_timeout_s: float = Field(60.0, gt=0)
     max_call_s: float = Field(3600.0, gt=0)  # a call this long is ended
+    # On SIGTERM or POST /admin/drain: new calls are refused (503, `/healthz` "draining") and the
+    # calls in progress may finish for this long before the process stops. 0: stop at once.
+    drain_timeout_s: float = Field(300.0, ge=0)
     # A peer that has not read what we sent for this long has lost its call.
     send_timeout_s: float = Field(10.0, gt=0)
     # STUN/TURN servers for browser calls: GET /api/ice gives them to the page, and the server's

@@ -10,18 +10,51 @@ import ipaddress
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
+from twilio.request_validator import RequestValidator
+
 from tests.voiceagent.server_proc import REPO, log_tail
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 CONF = REPO / "deploy" / "nginx" / "voiceagent.conf"
 NGINX = shutil.which("nginx", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"]))
 START_TIMEOUT_S = 10.0
+PUBLIC_HOST = "voice.test"  # a reserved name (RFC 6761): clients reach it at 127.0.0.1
+TOKEN = "proxy-test-token"
+TWILIO_AUTH = "proxy-test-twilio-auth"
+
+
+@dataclass
+class Proxy:
+    url: str  # https://127.0.0.1:PORT, nginx's TLS listener
+    http_url: str  # its plain HTTP listener
+    host: str  # the Host a browser at the public URL sends
+    public_url: str  # server.public_url: what Twilio connects to and signs
+    tls: ssl.SSLContext  # trusts the test CA only
+
+    def client(self, timeout: float = 30, **headers: str) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, verify=self.tls,
+                                 headers={"Host": self.host, **headers}, timeout=timeout)
+
+    def twilio(self) -> TwilioCaller:
+        """A caller through nginx, signed as Twilio signs: for the public URL it connected to."""
+        ws = self.url.replace("https://", "wss://") + "/telephony/twilio"
+        public = self.public_url.replace("https://", "wss://") + "/telephony/twilio"
+        signature = RequestValidator(TWILIO_AUTH).compute_signature(public, {})
+        return TwilioCaller(ws, token=TOKEN, headers={"X-Twilio-Signature": signature})
+
+
+def tls_context(ca) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(ca))
 
 
 def make_certs(folder: Path, host: str) -> tuple[Path, Path, Path]:

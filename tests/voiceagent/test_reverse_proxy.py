@@ -10,11 +10,9 @@ entry is a port where nothing listens, as a process that is down or restarting w
 from __future__ import annotations
 
 import json
-import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -24,7 +22,17 @@ import websockets
 from twilio.request_validator import RequestValidator
 
 from tests.audio.speech import speech
-from tests.voiceagent.nginx_proc import NGINX, make_certs, render, running_nginx
+from tests.voiceagent.nginx_proc import (
+    NGINX,
+    PUBLIC_HOST,
+    TOKEN,
+    TWILIO_AUTH,
+    Proxy,
+    make_certs,
+    render,
+    running_nginx,
+    tls_context,
+)
 from tests.voiceagent.server_proc import free_port, running_server
 from voiceagent.sim.twilio_caller import TwilioCaller
 
@@ -33,35 +41,8 @@ pytestmark = [
     pytest.mark.skipif(NGINX is None, reason="nginx is not installed (scripts/setup.sh --dev)"),
 ]
 
-PUBLIC_HOST = "voice.test"  # a reserved name (RFC 6761): clients reach it at 127.0.0.1
-TOKEN = "proxy-test-token"
-TWILIO_AUTH = "proxy-test-twilio-auth"
 REPLY_TIMEOUT_S = 60  # one reply from the subprocess server on a busy 2-core machine
 LIVE_TIMEOUT_S = 5  # a stream's first bytes or an event, when nothing holds them back
-
-
-@dataclass
-class Proxy:
-    url: str  # https://127.0.0.1:PORT, nginx's TLS listener
-    http_url: str  # its plain HTTP listener
-    host: str  # the Host a browser at the public URL sends
-    public_url: str  # server.public_url: what Twilio connects to and signs
-    tls: ssl.SSLContext  # trusts the test CA only
-
-    def client(self, timeout: float = 30, **headers: str) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, verify=self.tls,
-                                 headers={"Host": self.host, **headers}, timeout=timeout)
-
-    def twilio(self) -> TwilioCaller:
-        """A caller through nginx, signed as Twilio signs: for the public URL it connected to."""
-        ws = self.url.replace("https://", "wss://") + "/telephony/twilio"
-        public = self.public_url.replace("https://", "wss://") + "/telephony/twilio"
-        signature = RequestValidator(TWILIO_AUTH).compute_signature(public, {})
-        return TwilioCaller(ws, token=TOKEN, headers={"X-Twilio-Signature": signature})
-
-
-def _tls_context(ca) -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=str(ca))
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +60,7 @@ def proxy(tmp_path_factory) -> Iterator[Proxy]:
                 pytest.MonkeyPatch.context() as env:
             env.setenv("SSL_CERT_FILE", str(ca))  # websockets' default TLS context: the test CA
             yield Proxy(f"https://127.0.0.1:{tls_port}", f"http://127.0.0.1:{http_port}",
-                        f"{PUBLIC_HOST}:{tls_port}", public_url, _tls_context(ca))
+                        f"{PUBLIC_HOST}:{tls_port}", public_url, tls_context(ca))
 
 
 async def test_healthz_answers_over_tls_through_the_proxy(proxy):
@@ -230,7 +211,7 @@ def routing(tmp_path_factory) -> Iterator[Proxy]:
         with running_nginx(snippet, folder / "nginx", tls_port):
             yield Proxy(f"https://127.0.0.1:{tls_port}", f"http://127.0.0.1:{http_port}",
                         f"{PUBLIC_HOST}:{tls_port}", f"https://{PUBLIC_HOST}:{tls_port}",
-                        _tls_context(ca))
+                        tls_context(ca))
 
 
 def _from(proxy: Proxy, address: str) -> httpx.Client:

@@ -40,3 +40,33 @@ async def test_a_dead_llm_worker_makes_healthz_503_and_its_gauge_0(tmp_path):
     assert health.json() == {"status": "unhealthy",
                              "error": "LLM engine worker died: SystemExit: exit called mid-forward"}
     assert up == 0
+
+
+async def test_a_drain_needs_the_token_then_refuses_new_calls_and_stops_the_process(tmp_path):
+    shared = tiny_shared(threading.Event())
+    app = create_app(server_config(tmp_path, "server.token=drain-token"), shared)
+    state = app.state.server
+    stopped = asyncio.Event()
+    state.request_exit = stopped.set  # what `serve` does: stop uvicorn
+    auth = {"Authorization": "Bearer drain-token"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://127.0.0.1") as http:
+            assert (await http.post("/admin/drain")).status_code == 401
+            assert not state.calls.draining
+            call = state.calls.reserve("twilio")  # a call in progress holds the process up
+            drained = await http.post("/admin/drain", headers=auth)
+            health = await http.get("/healthz")
+            offer = await http.post("/api/offer", headers=auth,
+                                    json={"sdp": "v=0", "type": "offer"})
+            await asyncio.sleep(0.3)
+            held = not stopped.is_set()
+            state.calls.release(call)  # the call ends: the process stops
+            await asyncio.wait_for(stopped.wait(), 5)
+    finally:
+        shared.close()
+    assert drained.status_code == 202 and drained.json()["status"] == "draining"
+    assert health.status_code == 503
+    assert health.json() == {"status": "draining", "calls": 1}
+    assert offer.status_code == 503 and "draining" in offer.json()["detail"]
+    assert held

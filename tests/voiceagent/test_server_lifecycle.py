@@ -1,4 +1,4 @@
-"""`voiceagent serve` as a process: health while loading, and a clean stop on SIGTERM/SIGINT."""
+"""`voiceagent serve` as a process: health while loading, a drain on SIGTERM, and a clean stop."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import websockets
 
 from tests.audio.speech import speech
 from tests.voiceagent.server_proc import REPO, free_port
@@ -37,23 +38,34 @@ async def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120) -
     raise AssertionError("serve never became healthy")
 
 
+def _serve(port: int, runs: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "voiceagent.cli", "serve", "--port", str(port),
+         "--set", f"paths.runs_dir={runs}", *overrides],
+        cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=log.open("ab"), stderr=subprocess.STDOUT,
+    )
+
+
+async def _exit_status(proc: subprocess.Popen, timeout: float = 15) -> int | None:
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < timeout:
+        await asyncio.sleep(0.1)
+    return proc.returncode
+
+
 # After its graceful shutdown uvicorn re-raises the signal, so the exit status is the usual one
 # for that signal: SIGTERM's default action, and our CLI's 130 for SIGINT (KeyboardInterrupt).
 EXIT_STATUS = {signal.SIGTERM: -signal.SIGTERM, signal.SIGINT: 130}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-async def test_a_signal_ends_the_call_in_progress_and_the_process_exits(tmp_path, sig):
-    port = free_port()
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "voiceagent.cli", "serve", "--port", str(port),
-         "--set", f"paths.runs_dir={tmp_path}"],
-        cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT],
+                         ids=["SIGTERM-without-drain", "SIGINT"])
+async def test_a_stop_signal_ends_the_call_in_progress_and_the_process_exits(tmp_path, sig):
+    port, log = free_port(), tmp_path / "serve.log"
+    base = f"http://127.0.0.1:{port}"
+    proc = _serve(port, tmp_path, log, "--set", "server.drain_timeout_s=0")
     try:
-        base = f"http://127.0.0.1:{port}"
         await _wait_ready(base, proc)
         async with TwilioCaller(f"ws://127.0.0.1:{port}/telephony/twilio") as caller:
             await caller.start()
@@ -61,11 +73,45 @@ async def test_a_signal_ends_the_call_in_progress_and_the_process_exits(tmp_path
             proc.send_signal(sig)
             assert await caller.wait(lambda r: r.close_code is not None, 10), "call not ended"
         assert caller.received.close_code == 1012  # uvicorn's "service restart"
-        t0 = time.monotonic()
-        while proc.poll() is None and time.monotonic() - t0 < 15:
-            await asyncio.sleep(0.1)
-        assert proc.returncode == EXIT_STATUS[sig], log.read_text()[-2000:]
+        assert await _exit_status(proc) == EXIT_STATUS[sig], log.read_text()[-2000:]
         assert "Application shutdown complete" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_sigterm_drains_the_call_in_progress_refuses_new_ones_then_exits(tmp_path):
+    port, log = free_port(), tmp_path / "serve.log"
+    base, ws = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}/telephony/twilio"
+    proc = _serve(port, tmp_path, log)
+    try:
+        await _wait_ready(base, proc)
+        async with TwilioCaller(ws) as caller:
+            await caller.start()
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            async with httpx.AsyncClient() as http:
+                for _ in range(50):  # the drain starts on the event loop
+                    health = await http.get(f"{base}/healthz")
+                    if health.status_code == 503:
+                        break
+                    await asyncio.sleep(0.1)
+            assert health.status_code == 503
+            assert health.json() == {"status": "draining", "calls": 1}
+            with pytest.raises(websockets.InvalidStatus) as refused:  # at the upgrade
+                async with TwilioCaller(ws):
+                    pass
+            assert refused.value.response.status_code == 503
+            # The call in progress goes on: a question after the SIGTERM is answered.
+            said = await caller.say(speech(QUESTIONS[0]))
+            assert await caller.wait(lambda r: r.media_after(said.ended) is not None, 60), \
+                log.read_text()[-2000:]
+            assert caller.received.close_code is None
+            assert proc.poll() is None  # still serving it
+            await caller.hang_up()
+        assert await _exit_status(proc, 30) == 0, log.read_text()[-2000:]
+        assert "drained: no call in progress" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -93,15 +139,6 @@ async def test_a_call_before_the_models_are_loaded_is_refused_with_a_reason(tmp_
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
         offer = await http.post("/api/offer", json={"sdp": "v=0", "type": "offer"})
         assert offer.status_code == 503 and "loading" in offer.json()["detail"]
-
-
-def _serve(port: int, runs: Path, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "voiceagent.cli", "serve", "--port", str(port),
-         "--set", f"paths.runs_dir={runs}"],
-        cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=log.open("ab"), stderr=subprocess.STDOUT,
-    )
 
 
 async def test_after_a_kill_9_mid_call_every_turn_that_ended_is_in_the_store(tmp_path):

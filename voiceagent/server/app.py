@@ -75,8 +75,18 @@ def create_app(
     async def close_session(response: Response):
         response.delete_cookie(SESSION_COOKIE)
 
+    @app.post("/admin/drain", status_code=202, dependencies=[Depends(require_token)])
+    async def drain():
+        """A deploy's first step: new calls refused, those in progress finish, then the process
+        stops (as on SIGTERM)."""
+        state.start_drain()
+        return {"status": "draining", "calls": len(state.calls.active),
+                "timeout_s": cfg.server.drain_timeout_s}
+
     @app.get("/healthz")
     async def healthz():
+        if state.calls.draining:  # a balancer stops sending calls here
+            return JSONResponse({"status": "draining", "calls": len(state.calls.active)}, 503)
         if state.engine_down:
             return JSONResponse({"status": "unhealthy", "error": state.engine_down}, 503)
         if state.ready:

@@ -17,9 +17,12 @@ from loguru import logger
 from pipecat.pipeline.worker import PipelineWorker
 from pipecat.workers.runner import WorkerRunner
 
+DRAINING = "server draining: this process is stopping, try again (another process may answer)"
+
 
 class ServerBusy(Exception):
-    """All call slots are taken; the message says so in words a caller's client can show."""
+    """All call slots are taken, or the process is draining; the message says so in words a
+    caller's client can show."""
 
 
 @dataclass
@@ -37,6 +40,7 @@ class CallRegistry:
     def __init__(self, max_calls: int):
         self.max_calls = max_calls
         self.active: dict[str, ActiveCall] = {}
+        self.draining = False  # new calls refused; the ones in progress go on (`drain`)
         self._background: set[asyncio.Task] = set()
         # Called with ("started" | "ended" | "failed", call): the store, metrics, live events.
         self.listeners: list[Callable[[str, ActiveCall], None]] = []
@@ -49,6 +53,8 @@ class CallRegistry:
                 logger.exception(f"call {call.call_id}: a '{event}' listener failed")
 
     def reserve(self, kind: str, call_sid: str | None = None) -> ActiveCall:
+        if self.draining:
+            raise ServerBusy(DRAINING)
         if len(self.active) >= self.max_calls:
             raise ServerBusy(
                 f"server busy: {len(self.active)} of {self.max_calls} calls in progress, "
@@ -60,6 +66,21 @@ class CallRegistry:
 
     def release(self, call: ActiveCall) -> None:
         self.active.pop(call.call_id, None)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new calls from now on and wait, up to `timeout_s`, for the calls in progress
+        to end. Returns how many still run (the shutdown that follows ends them)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        logger.info(f"draining: refusing new calls; {len(self.active)} in progress may finish "
+                    f"within {timeout_s:g} s")
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if self.active:
+            logger.warning(f"drain timed out: ending {len(self.active)} call(s) still running")
+        else:
+            logger.info("drained: no call in progress")
+        return len(self.active)
 
     async def wait_idle(self, timeout_s: float = 30) -> None:
         """Until no call holds a slot (a caller that just hung up frees its slot only once its

@@ -1,7 +1,10 @@
-"""`voiceagent serve`: the call server under uvicorn, shut down cleanly on SIGINT/SIGTERM.
+"""`voiceagent serve`: the call server under uvicorn, drained on SIGTERM, stopped on SIGINT.
 
-uvicorn handles the signals: it stops accepting, closes open WebSockets (Twilio calls get a close
-frame), waits up to GRACE_S for connections, then runs the app's shutdown, which ends the calls
+SIGTERM (what systemd and a deploy send) first drains (`ServerState.start_drain`): new calls are
+refused with 503 and `/healthz` says "draining", so a balancer sends them elsewhere, while the
+calls in progress finish, up to `server.drain_timeout_s`. Then, as on SIGINT (or a second
+SIGTERM at once), uvicorn stops accepting, closes open WebSockets (Twilio calls get a close
+frame), waits up to GRACE_S for connections, and runs the app's shutdown, which ends the calls
 still running (browser calls) and stops the engine.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import signal
 import socket
 import sys
 from contextlib import asynccontextmanager
@@ -100,6 +104,31 @@ def exposure_notes(cfg: Config) -> list[str]:
     return notes
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM drains the app's calls before it stops."""
+
+    def __init__(self, config: uvicorn.Config, state):
+        super().__init__(config)
+        self.state = state  # the app's ServerState
+        state.request_exit = self.stop
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def stop(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        drains = sig == signal.SIGTERM and self.state.cfg.server.drain_timeout_s > 0
+        if not drains or self.state.drain_task is not None or self._loop is None:
+            super().handle_exit(sig, frame)  # SIGINT, a second SIGTERM, or no drain: stop now
+            return
+        # A signal handler: the drain starts on the event loop.
+        self._loop.call_soon_threadsafe(self.state.start_drain)
+
+
 def uvicorn_config(app, cfg: Config, host: str, port: int, log_level: str) -> uvicorn.Config:
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
@@ -118,7 +147,7 @@ async def serving_in_process(cfg: Config, shared=None):
     from voiceagent.server.app import create_app
 
     app = create_app(cfg, shared=shared)
-    server = uvicorn.Server(uvicorn_config(app, cfg, "127.0.0.1", 0, "warning"))
+    server = DrainingServer(uvicorn_config(app, cfg, "127.0.0.1", 0, "warning"), app.state.server)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -172,7 +201,7 @@ def _serve_on(cfg: Config, sock: socket.socket) -> int:
         server.should_exit = True
 
     app = create_app(cfg, on_load_failed=on_load_failed)
-    server = uvicorn.Server(uvicorn_config(app, cfg, host, port, "info"))
+    server = DrainingServer(uvicorn_config(app, cfg, host, port, "info"), app.state.server)
     logger.info(f"voiceagent: call page http://{host}:{port}/ ; Twilio Media Streams "
                 f"ws://{host}:{port}/telephony/twilio ; loading models (GET /healthz says when "
                 "ready)")

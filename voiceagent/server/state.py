@@ -3,7 +3,9 @@ and what the dashboard reads (the turn store, metrics, live events)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipecat.transports.smallwebrtc.request_handler import SmallWebRTCRequestHandler
@@ -37,6 +39,9 @@ class ServerState:
     stopped: bool = False  # lifespan shutdown has run
     api_handles: set = field(default_factory=set)  # /v1 requests in flight
     holdout: OffHoldout | None = None  # the A/B baseline (server.ab_off_share)
+    # How a drain stops the process once its calls are over (`serve` sets it); None: it stays up.
+    request_exit: Callable[[], None] | None = None
+    drain_task: asyncio.Task | None = None
 
     def __post_init__(self) -> None:
         if self.holdout is None:
@@ -53,6 +58,19 @@ class ServerState:
         if engine is None or engine.worker_alive:
             return None
         return engine.worker_error or "LLM engine worker stopped"
+
+    def start_drain(self) -> None:
+        """Refuse new calls, let those in progress finish (up to `server.drain_timeout_s`), then
+        stop the process (`request_exit`). Call on the event loop; a second call changes
+        nothing."""
+        if self.drain_task is None:
+            self.calls.draining = True  # from this moment, not from the task's first step
+            self.drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        await self.calls.drain(self.cfg.server.drain_timeout_s)
+        if self.request_exit is not None:
+            self.request_exit()
 
     def call_method(self) -> str:
         """The speculation method of the next call: the configured one, or off for a call held

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable
 
 from fastapi import APIRouter, WebSocket
+from fastapi.responses import JSONResponse
 from loguru import logger
 from pipecat.frames.frames import (
     AudioRawFrame,
@@ -33,7 +34,7 @@ from pipecat.transports.websocket.fastapi import (
 from voiceagent.pipeline.builder import build_call
 from voiceagent.pipeline.watchdog import CallWatchdog
 from voiceagent.server.auth import authorized, is_public, presented_token, twilio_signature_ok
-from voiceagent.server.calls import ServerBusy
+from voiceagent.server.calls import DRAINING, ServerBusy
 from voiceagent.server.media_streams import MediaStreamSocket, ProtocolViolation, StreamStart
 from voiceagent.server.state import ServerState
 
@@ -104,6 +105,9 @@ class UtteranceMarks(FrameProcessor):
 async def twilio_stream(ws: WebSocket) -> None:
     server: ServerState = ws.app.state.server
     limits = server.cfg.server
+    if server.calls.draining:  # refused before the upgrade: a balancer tries the next process
+        await _deny(ws, 503, DRAINING)
+        return
     await ws.accept()
     errors = server.metrics.errors
     sock = MediaStreamSocket(ws, limits,
@@ -210,3 +214,15 @@ async def _run_call(server: ServerState, sock: MediaStreamSocket, start: StreamS
         f"twilio call {call.call_id}: {marks.sent} utterance(s) sent, "
         f"{sock.marks_played} heard to the end, {serializer.clears} cleared by a barge-in"
     )
+
+
+async def _deny(ws: WebSocket, status: int, reason: str) -> None:
+    """Answer the upgrade request with an HTTP error instead of a WebSocket (nginx's
+    `proxy_next_upstream http_503` then takes the call to another process); a server without the
+    denial extension gets the WebSocket closed with 1013 instead."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(
+            JSONResponse({"error": reason}, status, headers={"Retry-After": "5"}))
+    else:
+        await ws.accept()
+        await ws.close(1013, reason)
