@@ -122,6 +122,9 @@ class EngineConfig:
     runner: Literal["auto", "eager", "compiled", "lean"] = "auto"
     max_context: int = 2048
     prefill_chunk: int = 256  # prompt tokens per engine step: bounds cancel latency and others' ITL
+    # Live requests' decode and verify rows in one target forward where the runner can (the lean
+    # runner): each request's tokens are unchanged; false runs one forward per request in turn.
+    shared_forwards: bool = True
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -158,6 +158,7 @@ class SpeculativeEngine:
             eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, target_model)
         )
         self.max_sessions = max_sessions
+        self.shared_forwards = config.shared_forwards  # `step_many`; a benchmark may switch it
         # Measured here when the caller has none (a test's tiny model measures in milliseconds).
         self.cost_model = cost_model or self.measure_costs(repeats=2)
         # One estimate per engine, a machine property: the load-time figure until steps come in.
@@ -255,10 +256,11 @@ class SpeculativeEngine:
         failure is its own (a shared forward that fails is each of its requests')."""
         results: dict[int, list[int] | Exception] = {}
         drafted: list[tuple[int, RequestState, _Drafted]] = []
+        shares = self.shared_forwards and self.runner.shared_rows > 0
         with torch.inference_mode():
             for j, state in enumerate(states):
                 try:
-                    if self.runner.shared_rows and state.prefilled and not state.finished \
+                    if shares and state.prefilled and not state.finished \
                             and not state.cancelled and self._budget(state) > 0:
                         drafted.append((j, state, self._draft(state, self._budget(state))))
                     else:

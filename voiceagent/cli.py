@@ -196,6 +196,9 @@ def _bench_serve_args(p: argparse.ArgumentParser) -> None:
                    "on (per number of callers at once)")
     p.add_argument("--threshold-ms", type=float, default=1500.0,
                    help="--knee: clock 3 every turn must stay under (default: 1500)")
+    p.add_argument("--compare-shared-forwards", action="store_true",
+                   help="--knee: each method with one engine forward per call in turn and with "
+                   "every call's rows in one shared forward (engine.shared_forwards), side by side")
     p.add_argument("--soak", type=int, default=20,
                    help="calls in a row for the memory figure (default: 20)")
     _bench_out(p)

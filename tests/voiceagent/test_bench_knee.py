@@ -4,7 +4,7 @@ conversations within the threshold; refused callers count neither against it nor
 from __future__ import annotations
 
 from tests.voiceagent.turns import make_turn
-from voiceagent.bench.knee import knee_of, level, render_knee
+from voiceagent.bench.knee import knee_of, level, render_knee, variants
 
 
 def _level(n: int, within: int, refused: int = 0, failed: int = 0) -> dict:
@@ -29,3 +29,9 @@ def test_a_level_counts_a_conversation_within_only_if_every_turn_is():
     assert "| off | 3 | 2 | 1 | 0 |" in render_knee(
         {"threshold_ms": 1500.0, "max_calls": 2, "turns": 2, "levels": [got],
          "knee": {"off": 0}})
+
+
+def test_comparing_shared_forwards_runs_each_method_both_ways():
+    assert variants(["off", "ngram"], False) == [("off", "off", True), ("ngram", "ngram", True)]
+    assert variants(["off"], True) == [("off (forward each)", "off", False),
+                                       ("off (shared forward)", "off", True)]

@@ -43,13 +43,26 @@ async def conversation(url: str, audio: list, offset_s: float) -> str:
     return "done"
 
 
-async def knee(cfg: Config, shared, audio: list, callers: list[int], methods: list[str],
-               threshold_ms: float, say) -> dict:
+def variants(methods: list[str], compare_shared: bool) -> list[tuple[str, str, bool]]:
+    """(label, method, shared forwards) for each method; with `compare_shared`, each method once
+    with one engine forward per call in turn (the engine before shared forwards) and once
+    shared."""
+    if not compare_shared:
+        return [(m, m, True) for m in methods]
+    return [(f"{m}{suffix}", m, on) for m in methods
+            for suffix, on in ((" (forward each)", False), (" (shared forward)", True))]
+
+
+async def knee(cfg: Config, shared, audio: list, callers: list[int],
+               runs: list[tuple[str, str, bool]], threshold_ms: float, say) -> dict:
     levels = []
-    bar = progress_bar(len(methods) * len(callers), "bench serve --knee", "level")
-    for method in methods:
+    bar = progress_bar(len(runs) * len(callers), "bench serve --knee", "level")
+    engine = shared.engine.engine if shared.engine is not None else None
+    for label, method, shared_forwards in runs:
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.engine.speculation.method = method
+        if engine is not None:
+            engine.shared_forwards = shared_forwards
         async with serving_in_process(run_cfg, shared) as (app, base):
             url = base.replace("http://", "ws://") + "/telephony/twilio"
             records = app.state.server.records
@@ -58,18 +71,19 @@ async def knee(cfg: Config, shared, audio: list, callers: list[int], methods: li
             # calls before it, and each level's records are complete
             await app.state.server.calls.wait_idle()
             for n in callers:
-                say(f"knee: {method}, {n} caller(s) at once")
+                say(f"knee: {label}, {n} caller(s) at once")
                 before = set(records.by_call)
                 outcomes = await asyncio.gather(*(
                     conversation(url, audio, i * STAGGER_S) for i in range(n)))
                 await app.state.server.calls.wait_idle()
                 calls = [records.by_call[c] for c in records.by_call if c not in before]
-                levels.append(level(method, n, outcomes, calls, threshold_ms))
+                levels.append(level(label, n, outcomes, calls, threshold_ms))
                 bar.update()
     bar.close()
     return {"threshold_ms": threshold_ms, "max_calls": cfg.server.max_calls,
             "turns": len(audio), "levels": levels,
-            "knee": {m: knee_of([lv for lv in levels if lv["method"] == m]) for m in methods}}
+            "knee": {label: knee_of([lv for lv in levels if lv["method"] == label])
+                     for label, _, _ in runs}}
 
 
 def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: float) -> dict:

@@ -17,7 +17,7 @@ import gc
 import time
 
 from audio.synth import synthesize
-from voiceagent.bench.knee import knee, render_knee
+from voiceagent.bench.knee import knee, render_knee, variants
 from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import Config
 from voiceagent.figures import fmt, percentile
@@ -181,7 +181,8 @@ def run_serve_bench(cfg: Config, args) -> int:
         if args.knee:
             methods = list(dict.fromkeys(["off", cfg.engine.speculation.method]))
             audio = [bench.speech[q] for q in QUESTIONS[:args.turns]]
-            result = asyncio.run(knee(cfg, shared, audio, concurrency, methods,
+            runs = variants(methods, args.compare_shared_forwards)
+            result = asyncio.run(knee(cfg, shared, audio, concurrency, runs,
                                       args.threshold_ms, say))
             body, name = render_knee(result), "serve-knee"
         else:  # this bench measures how calls share the machine: admit them all
