@@ -25,6 +25,7 @@ from llm_engine import kv
 from llm_engine.adaptive import CostGate, DraftLength, PlainStepCost
 from llm_engine.config import EngineConfig, GrammarSpec, SamplingConfig
 from llm_engine.grammar import GrammarCache, GrammarState
+from llm_engine.prefixes import SharedPrefixes
 from llm_engine.proposers import (
     EMPTY_DRAFT,
     Draft,
@@ -158,6 +159,8 @@ class SpeculativeEngine:
             eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, target_model)
         )
         self.max_sessions = max_sessions
+        # Prompt prefixes new sessions start from (a system prompt): `llm_engine.prefixes`.
+        self.prefixes = SharedPrefixes(self.runner) if self.runner.copies_prefixes else None
         self.shared_forwards = config.shared_forwards  # `step_many`; a benchmark may switch it
         # Measured here when the caller has none (a test's tiny model measures in milliseconds).
         self.cost_model = cost_model or self.measure_costs(repeats=2)
@@ -341,6 +344,8 @@ class SpeculativeEngine:
             self._observe_target(state, state.token_ids[: first + len(chunk) + 1], out.hidden)
             return []
         state.prefilled = True
+        if self.prefixes is not None and state.reuse_len == 0:  # a prompt no kept prefix began
+            self.prefixes.keep(state.prompt_ids, state.cache)
         result = self._verify(state, EMPTY_DRAFT, out.logits)
         return self._commit(state, result.tokens, budget, first, out.hidden)
 
@@ -502,6 +507,11 @@ class SpeculativeEngine:
             with self._lock:
                 entry = self._sessions.pop(session_id, None)
         if entry is None:
+            if self.prefixes is not None and not fresh.uses_target_hidden:
+                # An EAGLE head never saw a copied prefix's hidden states: it prefills them all.
+                cache, keep = self.prefixes.start(prompt_ids)
+                if cache is not None:
+                    return cache, fresh, keep
             return self.runner.new_cache(), fresh, 0
         # Keep at least one prompt token to feed: its logits give the first new token.
         keep = min(kv.common_prefix_len(entry.cached_tokens, prompt_ids), len(prompt_ids) - 1)

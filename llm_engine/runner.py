@@ -12,6 +12,7 @@ arithmetic must not depend on bf16 rounding of the scores.
 
 from __future__ import annotations
 
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,12 @@ class TargetRunner:
 
     # Rows one shared forward may carry (`forward_many`); 0: this runner runs them one by one.
     shared_rows = 0
+    copies_prefixes = False  # `copy_prefix` works: new sessions may start from a kept prefix
+
+    def copy_prefix(self, cache, length: int, compact: bool = False):
+        """A new cache holding a copy of the first `length` positions of `cache`; `compact`:
+        sized for those alone (kept, never run on)."""
+        raise NotImplementedError
 
     def forward_many(self, steps: list[tuple[object, torch.Tensor]]) -> list[Forward]:
         """Several requests' rows [(cache, input_ids [1, n])], each on its own cache: the same
@@ -65,6 +72,12 @@ class TargetRunner:
 
 class EagerRunner(TargetRunner):
     name = "eager"
+    copies_prefixes = True
+
+    def copy_prefix(self, cache: DynamicCache, length: int, compact: bool = False) -> DynamicCache:
+        copy = deepcopy(cache)
+        kv.crop_to(copy, length)
+        return copy
 
     def new_cache(self) -> DynamicCache:
         return kv.new_cache(self.model)

@@ -93,6 +93,15 @@ class LeanRunner(TargetRunner):
     def new_cache(self) -> LeanCache:
         return self.lean.new_cache(self.max_cache_len)
 
+    copies_prefixes = True
+
+    def copy_prefix(self, cache: LeanCache, length: int, compact: bool = False) -> LeanCache:
+        copy = self.lean.new_cache(length if compact else self.max_cache_len)
+        copy.k[:, :, :length] = cache.k[:, :, :length]
+        copy.v[:, :, :length] = cache.v[:, :, :length]
+        copy.length = length
+        return copy
+
     def length(self, cache: LeanCache) -> int:
         return cache.length
 

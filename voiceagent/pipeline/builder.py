@@ -35,6 +35,8 @@ from pipecat.processors.aggregators.llm_response_universal import (
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_transport import BaseTransport
 
+from llm_engine.config import SamplingConfig
+from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config, TurnConfig
 from voiceagent.llm_setup import LLMRuntime, build_runtime
@@ -74,6 +76,8 @@ class SharedModels:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self.speech is not None:
+            self.speech.close()
 
 
 def load_shared(cfg: Config, progress: Callable[[str], None] = print,
@@ -87,8 +91,15 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
         progress(f"connecting to the LLM server at {redact(cfg.llm.base_url or '')} ...")
         shared = SharedModels(llm=None, engine=None, chat=connect(cfg.llm, cfg.engine.sampling))
     else:
-        engine, llm = AsyncEngine.build(
-            lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also))
+        def build() -> LLMRuntime:
+            runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
+            progress("prefilling the system prompt once for every call's first turn ...")
+            for _ in runtime.engine.generate(call_prefix(cfg, runtime.target.tokenizer, tools),
+                                             SamplingConfig(max_new_tokens=1)):
+                pass  # the engine keeps the prompt's KV (`llm_engine.prefixes`)
+            return runtime
+
+        engine, llm = AsyncEngine.build(build)
         shared = SharedModels(llm=llm, engine=engine)
     if tools and isinstance(shared.chat, EngineChat):
         progress(f"compiling the grammars of {len(tools)} tool(s) ...")
@@ -101,6 +112,14 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
         shared.close()  # the engine thread started above
         raise
     return shared
+
+
+def call_prefix(cfg: Config, tokenizer, tools: list) -> list[int]:
+    """What every call's prompt starts with: the system prompt, the example exchange and the
+    tools, as `SpeculativeLLMService` sends them through `EngineChat`."""
+    messages = [{"role": "system", "content": cfg.agent.system_prompt},
+                *cfg.agent.example_messages()]
+    return encode_chat(tokenizer, messages, [t.schema for t in tools] or None)
 
 
 def dtmf_aggregator(turn: TurnConfig) -> DTMFAggregator:
@@ -162,13 +181,13 @@ def build_call(
         transport.input(),
         *after_input,
         PausingVADProcessor(vad_analyzer=make_vad(cfg.vad, speech.vad)),
-        make_stt(cfg.asr, speech.whisper, prepare=cfg.turn.prepare),
+        make_stt(cfg.asr, speech.whisper, speech.asr_worker, prepare=cfg.turn.prepare),
         # Keys pressed (Twilio `dtmf`, the page's RTVI `dtmf`) become a transcript "DTMF: 1#":
         # a user turn like a spoken one.
         dtmf_aggregator(cfg.turn),
         aggregators.user(),
         llm,
-        make_tts(cfg.tts, speech.voice),
+        make_tts(cfg.tts, speech.voice, speech.tts_worker),
         HeldReplyGate(),
         *before_output,
         transport.output(),

@@ -14,6 +14,7 @@ from typing import Any
 from pipecat.audio.vad.silero import SileroOnnxModel
 
 from voiceagent.config import Config
+from voiceagent.pipeline.speech_worker import SpeechWorker
 from voiceagent.pipeline.stt import load_asr_model
 from voiceagent.pipeline.tts import load_tts_voice
 from voiceagent.pipeline.turns import load_smart_turn_session
@@ -39,6 +40,9 @@ class SpeechModels:
     vad: SileroOnnxModel
     smart_turn: Any | None  # onnxruntime.InferenceSession; None unless turn.stop needs it
     settings: dict[str, object]  # speech_settings of the config they were loaded for
+    # One thread each for Whisper and Piper, serving every call, urgent work first.
+    asr_worker: SpeechWorker
+    tts_worker: SpeechWorker
 
     @classmethod
     def load(cls, cfg: Config, progress: Callable[[str], None] = print) -> SpeechModels:
@@ -48,7 +52,12 @@ class SpeechModels:
         voice = load_tts_voice(cfg.tts)
         vad = load_vad_model(cfg.vad)
         smart_turn = load_smart_turn_session() if cfg.turn.stop == "smart_turn" else None
-        return cls(whisper, voice, vad, smart_turn, speech_settings(cfg))
+        return cls(whisper, voice, vad, smart_turn, speech_settings(cfg),
+                   SpeechWorker("asr-worker"), SpeechWorker("tts-worker"))
+
+    def close(self) -> None:
+        self.asr_worker.close()
+        self.tts_worker.close()
 
     def serves(self, cfg: Config) -> str | None:
         """None if a call with `cfg` can run on these models; otherwise why not (a call must

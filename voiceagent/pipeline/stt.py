@@ -51,6 +51,7 @@ from voiceagent.pipeline.frames import (
     UserWordsSoFarFrame,
 )
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
+from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker
 
 
 class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
@@ -68,7 +69,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
     """
 
     def __init__(self, *, model, cfg: ASRConfig, prepare: bool = False,
-                 ttfs_p99_latency: float = 1.0, **kwargs):
+                 worker: SpeechWorker | None = None, ttfs_p99_latency: float = 1.0, **kwargs):
         super().__init__(
             settings=STTSettings(model=cfg.model, language=cfg.language or None),
             ttfs_p99_latency=ttfs_p99_latency,
@@ -77,6 +78,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         )
         self._model = model
         self._cfg = cfg
+        self._worker = worker  # the process's ASR worker (`speech_worker`), shared by every call
         self._preroll_samples = cfg.preroll_ms * SAMPLE_RATE // 1000
         self._preroll = np.zeros(0, np.int16)  # the latest audio while nobody speaks
         self._utterance: StreamingTranscriber | None = None  # set between VAD start and stop
@@ -131,7 +133,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
                 await task  # one model run at a time: two would share the same cores
             result = utterance.last_interim
             if not utterance.covers(pause_at):
-                result = await asyncio.to_thread(utterance.interim)
+                result = await self._transcribe(utterance.interim, priority=CRITICAL)
         except Exception as e:
             await self.push_error(f"{self}: pause transcription failed: {e}", exception=e)
             return
@@ -176,7 +178,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
 
     async def _run_interim(self, utterance: StreamingTranscriber):
         try:
-            result = await asyncio.to_thread(utterance.interim)
+            result = await self._transcribe(utterance.interim, priority=BACKGROUND)
         except Exception as e:
             await self.push_error(f"{self}: interim transcription failed: {e}", exception=e)
             return
@@ -208,7 +210,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
             if utterance.covers(speech_end):
                 result = utterance.final(speech_end)  # no model run
             else:
-                result = await asyncio.to_thread(utterance.final, speech_end)
+                result = await self._transcribe(utterance.final, speech_end, priority=CRITICAL)
         except Exception as e:
             await self.push_error(f"{self}: final transcription failed: {e}", exception=e)
             return
@@ -230,6 +232,13 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
             audio_ms=result.audio_ms, reused_interim=result.reused,
         )
         await self.push_frame(MetricsFrame(data=[metrics]))
+
+    async def _transcribe(self, fn, *args, priority: int):
+        """A Whisper pass on the process's ASR worker (urgent ones first), or on a thread of its
+        own without one."""
+        if self._worker is None:
+            return await asyncio.to_thread(fn, *args)
+        return await self._worker.run(fn, *args, priority=priority)
 
     def _language(self) -> Language | None:
         try:
@@ -262,7 +271,8 @@ def load_asr_model(cfg: ASRConfig):
                         compute_type=cfg.compute_type, cpu_threads=cfg.cpu_threads)
 
 
-def make_stt(cfg: ASRConfig, model, prepare: bool = False) -> StreamingWhisperSTTService:
-    """One call's STT service over the process's `model` (`load_asr_model`). `prepare`: report
-    an eager end of turn at each pause."""
-    return StreamingWhisperSTTService(model=model, cfg=cfg, prepare=prepare)
+def make_stt(cfg: ASRConfig, model, worker: SpeechWorker | None = None,
+             prepare: bool = False) -> StreamingWhisperSTTService:
+    """One call's STT service over the process's `model` (`load_asr_model`) and ASR `worker`.
+    `prepare`: report an eager end of turn at each pause."""
+    return StreamingWhisperSTTService(model=model, cfg=cfg, prepare=prepare, worker=worker)

@@ -28,6 +28,7 @@ from pipecat.frames.frames import (
     Frame,
     InterruptionFrame,
     LLMFullResponseStartFrame,
+    TTSSpeakFrame,
     UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
 )
@@ -44,6 +45,7 @@ from audio.text import ClauseSplitter, split_clauses
 from audio.wav import resample
 from voiceagent.models import resolve
 from voiceagent.pipeline.frames import PreparedResponseStartFrame
+from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker
 
 
 class ClauseTextAggregator(BaseTextAggregator):
@@ -82,7 +84,8 @@ class ClausePiperTTSService(TTSService):
     dropped and nothing more of that reply is synthesised.
     """
 
-    def __init__(self, *, voice, voice_name: str, cfg: TTSConfig, **kwargs):
+    def __init__(self, *, voice, voice_name: str, cfg: TTSConfig,
+                 worker: SpeechWorker | None = None, **kwargs):
         super().__init__(
             push_start_frame=True,
             push_stop_frames=True,
@@ -90,6 +93,8 @@ class ClausePiperTTSService(TTSService):
             **kwargs,
         )
         self._voice = voice  # a loaded piper.PiperVoice, shared by every call
+        self._worker = worker  # the process's TTS worker (`speech_worker`), shared by every call
+        self._first_phrase = True  # the next clause opens a reply: it goes before later ones
         self._min_clause_chars = cfg.min_clause_chars
         self._first_phrase_words = cfg.first_phrase_words
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
@@ -103,6 +108,8 @@ class ClausePiperTTSService(TTSService):
         self._turn_ended = False
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
+        if isinstance(frame, LLMFullResponseStartFrame | TTSSpeakFrame):
+            self._first_phrase = True
         if isinstance(frame, LLMFullResponseStartFrame):
             prepared = isinstance(frame, PreparedResponseStartFrame)
             self._preparing = prepared and not self._turn_ended
@@ -147,8 +154,17 @@ class ClausePiperTTSService(TTSService):
         rate = self._voice.config.sample_rate
         for clause in clauses:
             chunks = self._voice.synthesize(clause, syn_config=self._syn_config)
-            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            while (chunk := await self._next_chunk(chunks)) is not None:
                 yield resample(chunk.audio_int16_array, rate, self.sample_rate).tobytes()
+
+    async def _next_chunk(self, chunks):
+        """Piper's next chunk on the process's TTS worker (a reply's first phrase before other
+        calls' later ones), or on a thread of its own without one."""
+        if self._worker is None:
+            return await asyncio.to_thread(next, chunks, None)
+        priority = CRITICAL if self._first_phrase else BACKGROUND
+        self._first_phrase = False
+        return await self._worker.run(next, chunks, None, priority=priority)
 
 
 def load_tts_voice(cfg: TTSConfig):
@@ -158,9 +174,10 @@ def load_tts_voice(cfg: TTSConfig):
                       cpu_threads=cfg.cpu_threads)
 
 
-def make_tts(cfg: TTSConfig, voice) -> ClausePiperTTSService:
-    """One call's TTS service over the process's `voice` (`load_tts_voice`); its output rate
-    follows the transport's."""
+def make_tts(cfg: TTSConfig, voice, worker: SpeechWorker | None = None) -> ClausePiperTTSService:
+    """One call's TTS service over the process's `voice` (`load_tts_voice`) and TTS `worker`;
+    its output rate follows the transport's."""
     location = resolve(cfg.voice, "tts").location
     return ClausePiperTTSService(
-        voice=voice, voice_name=Path(location).name.removesuffix(".onnx"), cfg=cfg)
+        voice=voice, voice_name=Path(location).name.removesuffix(".onnx"), cfg=cfg,
+        worker=worker)

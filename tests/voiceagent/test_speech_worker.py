@@ -1,0 +1,54 @@
+"""The process's speech workers (`voiceagent.pipeline.speech_worker`): one job at a time, urgent
+ones first, a cancelled job never run, a job's error its caller's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker
+
+
+@pytest.fixture
+def worker():
+    w = SpeechWorker("test-worker")
+    yield w
+    w.close()
+
+
+async def test_a_critical_job_overtakes_queued_background_ones(worker):
+    gate, ran = threading.Event(), []
+    busy = asyncio.ensure_future(worker.run(gate.wait, 5))  # holds the worker
+    await asyncio.sleep(0.05)
+    jobs = [asyncio.ensure_future(worker.run(ran.append, name, priority=priority))
+            for name, priority in (("interim 1", BACKGROUND), ("interim 2", BACKGROUND),
+                                   ("final", CRITICAL))]
+    await asyncio.sleep(0.05)
+    assert worker.waiting == 3
+    gate.set()
+    await asyncio.gather(busy, *jobs)
+    assert ran == ["final", "interim 1", "interim 2"]
+
+
+async def test_a_job_whose_caller_stopped_waiting_is_not_run(worker):
+    gate, ran = threading.Event(), []
+    busy = asyncio.ensure_future(worker.run(gate.wait, 5))
+    await asyncio.sleep(0.05)
+    dropped = asyncio.ensure_future(worker.run(ran.append, "dropped"))
+    kept = asyncio.ensure_future(worker.run(ran.append, "kept"))
+    await asyncio.sleep(0.05)
+    dropped.cancel()
+    gate.set()
+    await asyncio.gather(busy, kept)
+    assert ran == ["kept"]
+
+
+async def test_a_failing_job_raises_in_its_caller_and_the_worker_goes_on(worker):
+    def fail():
+        raise ValueError("bad audio")
+
+    with pytest.raises(ValueError, match="bad audio"):
+        await worker.run(fail, priority=CRITICAL)
+    assert await worker.run(lambda: 42) == 42

@@ -1,0 +1,74 @@
+"""One thread per speech model for every call in the process, the most urgent work first.
+
+Without it each call ran its Whisper passes and Piper chunks on threads of its own: with four
+callers, four Whisper runs (each with its own CPU threads) and four syntheses fought over two
+cores, and a caller's final transcript waited behind other callers' interims. Here one worker
+thread runs a model's jobs one at a time, critical ones first (a final or pause transcript, a
+reply's first phrase), then background ones (interims, later phrases), each in arrival order. A
+job whose caller stopped waiting (cancelled) is dropped before it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+CRITICAL = 0  # on a caller's critical path: the transcript at a pause or a stop, a first phrase
+BACKGROUND = 1  # interims, later phrases
+
+T = TypeVar("T")
+
+
+class SpeechWorker:
+    def __init__(self, name: str):
+        self.name = name
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()  # arrival order within a priority
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued and not yet started (what admission and /metrics read as load)."""
+        return self._jobs.qsize()
+
+    async def run(self, fn: Callable[..., T], *args: Any, priority: int = BACKGROUND) -> T:
+        """fn(*args) on the worker thread, after every job queued before it at its priority or
+        a more urgent one."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._jobs.put((priority, next(self._order), fn, args, loop, done))
+        return await done
+
+    def close(self) -> None:
+        self._jobs.put((-1, next(self._order), None, (), None, None))  # before anything queued
+        self._thread.join(5)
+
+    def _serve(self) -> None:
+        while True:
+            _, _, fn, args, loop, done = self._jobs.get()
+            if fn is None:
+                return
+            if done.cancelled():  # its caller hung up or moved on: the cores are better spent
+                continue
+            try:
+                result, error = fn(*args), None
+            except Exception as exc:  # the caller's to handle; the worker serves the next job
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_resolve, done, result, error)
+            except RuntimeError:  # that caller's event loop has closed
+                pass
+
+
+def _resolve(done: asyncio.Future, result, error: BaseException | None) -> None:
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
