@@ -74,8 +74,11 @@ class ServerConfig(BaseModel):
     allowed_hosts: list[str] = Field(default_factory=list)
     # Origins other than the server's own that browsers may call it from.
     allowed_origins: list[str] = Field(default_factory=list)
-    # The capacity knee measured on 2 CPU cores (`bench serve --knee`); raise it with the cores.
-    max_calls: int = Field(1, ge=1)
+    # The hard cap on calls at once; below it a call is admitted while the turns measured lately
+    # predict every call's clock 3 p95 within admit_clock3_ms (`server/admission.py`; 0: admit
+    # up to max_calls).
+    max_calls: int = Field(4, ge=1)
+    admit_clock3_ms: float = Field(1500.0, ge=0)
     # The A/B baseline: this share of calls runs with speculation off (the in-process engine
     # only), spread evenly over the calls, so the dashboard's ITL speed-up fills itself from live
     # traffic. 0: every call uses engine.speculation.method.

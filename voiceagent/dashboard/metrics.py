@@ -77,6 +77,14 @@ class TurnMetrics:
               "1 while the LLM engine's worker thread runs; 0 before the models load, or dead",
               registry=r).set_function(engine_worker_up)
 
+    def watch_admission(self, next_call_ms: Callable[[], float | None]) -> None:
+        """Admission's headroom: the clock 3 p95 predicted with one call more (NaN: no recent
+        turn, so a call is admitted); a balancer may route on it."""
+        Gauge("voiceagent_next_call_clock3_p95_seconds",
+              "Clock 3 p95 predicted from recent turns with one more call in progress",
+              registry=self.registry).set_function(
+            lambda: float("nan") if (ms := next_call_ms()) is None else ms / 1000)
+
     def watch_engine(self, in_flight: Callable[[], int]) -> None:
         Gauge("voiceagent_engine_requests_in_flight",
               "LLM requests submitted and not yet ended (answers and prepared replies)",

@@ -37,8 +37,10 @@ class ActiveCall:
 
 
 class CallRegistry:
-    def __init__(self, max_calls: int):
+    def __init__(self, max_calls: int, admission: Callable[[int], str | None] | None = None):
+        """admission(calls in progress): why a new call must wait, or None (`admission.py`)."""
         self.max_calls = max_calls
+        self.admission = admission
         self.active: dict[str, ActiveCall] = {}
         self.draining = False  # new calls refused; the ones in progress go on (`drain`)
         self._background: set[asyncio.Task] = set()
@@ -60,6 +62,8 @@ class CallRegistry:
                 f"server busy: {len(self.active)} of {self.max_calls} calls in progress, "
                 "try again later"
             )
+        if self.admission is not None and (why := self.admission(len(self.active))):
+            raise ServerBusy(why)
         call = ActiveCall(uuid.uuid4().hex[:12], kind, call_sid)
         self.active[call.call_id] = call
         return call

@@ -18,6 +18,7 @@ from voiceagent.llm_setup import resident_bytes
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.records import TurnRecords
 from voiceagent.server.ab import OffHoldout
+from voiceagent.server.admission import Admission
 from voiceagent.server.calls import ActiveCall, CallRegistry
 
 
@@ -39,6 +40,7 @@ class ServerState:
     stopped: bool = False  # lifespan shutdown has run
     api_handles: set = field(default_factory=set)  # /v1 requests in flight
     holdout: OffHoldout | None = None  # the A/B baseline (server.ab_off_share)
+    admission: Admission | None = None  # new calls by measured load (`server.admit_clock3_ms`)
     # How a drain stops the process once its calls are over (`serve` sets it); None: it stays up.
     request_exit: Callable[[], None] | None = None
     drain_task: asyncio.Task | None = None
@@ -104,7 +106,8 @@ class ServerState:
 
 
 def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
-    calls = CallRegistry(cfg.server.max_calls)
+    admission = Admission(cfg.server.admit_clock3_ms, lambda: len(calls.active))
+    calls = CallRegistry(cfg.server.max_calls, admission.refusal)
     events = EventHub(cfg.store.transcripts, cfg.server.max_event_subscribers)
 
     def resident() -> float:
@@ -116,11 +119,13 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
 
     metrics = TurnMetrics(active_calls=lambda: len(calls.active), resident_bytes=resident,
                           engine_worker_up=worker_up)
+    metrics.watch_admission(lambda: admission.predicted_p95_ms(len(calls.active) + 1))
     store = open_store(cfg, on_error=lambda _error: metrics.errors.labels("store_write").inc())
     metrics.watch_store(store.health)
     metrics.watch_engine(
         lambda: state.shared.engine.in_flight if state.shared and state.shared.engine else 0)
     state = ServerState(cfg, calls, store, events, metrics,
-                        TurnRecords([store, events, metrics]), shared=shared)
+                        TurnRecords([store, events, metrics, admission]), shared=shared,
+                        admission=admission)
     calls.listeners.append(state.on_call)
     return state
