@@ -344,8 +344,6 @@ class SpeculativeEngine:
             self._observe_target(state, state.token_ids[: first + len(chunk) + 1], out.hidden)
             return []
         state.prefilled = True
-        if self.prefixes is not None and state.reuse_len == 0:  # a prompt no kept prefix began
-            self.prefixes.keep(state.prompt_ids, state.cache)
         result = self._verify(state, EMPTY_DRAFT, out.logits)
         return self._commit(state, result.tokens, budget, first, out.hidden)
 
@@ -525,6 +523,21 @@ class SpeculativeEngine:
                 keep = 0  # it never saw the cached positions' hidden states: prefill them all
         self.runner.crop(entry.cache, keep)
         return entry.cache, proposer, keep
+
+    def keep_prefix(self, prompt_ids: list[int]) -> None:
+        """Prefill `prompt_ids` once, in the chunks a request's prefill uses, and keep their KV
+        for every new session whose prompt starts with them (a system prompt and tools:
+        `llm_engine.prefixes`). Only prefixes kept so are shared: every session then starts
+        from the same numbers, whichever request came first."""
+        if self.prefixes is None:
+            return
+        with torch.inference_mode():
+            cache = self.runner.new_cache()
+            for first in range(0, len(prompt_ids), self.config.prefill_chunk):
+                chunk = prompt_ids[first:first + self.config.prefill_chunk]
+                self.runner.forward(cache, torch.tensor([chunk], device=self.device),
+                                    last_only=True)
+            self.prefixes.keep(prompt_ids, cache)
 
     def measure_costs(self, repeats: int = 5, context: int = 256,
                       key: dict | None = None) -> costs.CostModel:

@@ -1,6 +1,6 @@
 """Prompt prefixes that many sessions start from (a voice agent's system prompt and tools): their
-KV kept once and copied into a new session's cache, so that a call's first turn prefills only
-its own words.
+KV computed once (`SpeculativeEngine.keep_prefix`, at load) and copied into a new session's
+cache, so that a call's first turn prefills only its own words.
 
 A session's later turns already reuse its own cache (`SpeculativeEngine._take_session`); this
 is for the first turn of every call, which otherwise prefills the whole system prompt: ~400

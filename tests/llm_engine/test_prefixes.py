@@ -24,7 +24,7 @@ def _prompt(seed: int) -> list[int]:
 def test_a_new_session_starts_from_a_kept_prefix_and_answers_as_if_it_prefilled_it(
         target, tokenizer):
     engine = make_engine(target, tokenizer)
-    run(engine, _prompt(1))  # the first call prefills the system prompt: kept
+    engine.keep_prefix(SYSTEM)  # at load
     tokens, state = run(engine, _prompt(2), session_id="second call")
     assert state.stats.reused_prefix_tokens == len(SYSTEM)
     assert state.stats.prefill_tokens == len(_prompt(2)) - len(SYSTEM)
@@ -34,10 +34,17 @@ def test_a_new_session_starts_from_a_kept_prefix_and_answers_as_if_it_prefilled_
 
 def test_a_prompt_sharing_too_little_prefills_everything(target, tokenizer):
     engine = make_engine(target, tokenizer)
-    run(engine, _prompt(1))
+    engine.keep_prefix(SYSTEM)
     other = SYSTEM[:MIN_TOKENS - 1] + [7] * 20
     _, state = run(engine, other)
     assert state.stats.reused_prefix_tokens == 0
+
+
+def test_a_request_prefilled_from_scratch_is_not_kept(target, tokenizer):
+    engine = make_engine(target, tokenizer)
+    run(engine, _prompt(1))
+    _, state = run(engine, _prompt(2))
+    assert state.stats.reused_prefix_tokens == 0 and len(engine.prefixes) == 0
 
 
 def test_only_the_most_recently_used_prefixes_are_kept(target, tokenizer):
@@ -45,7 +52,7 @@ def test_only_the_most_recently_used_prefixes_are_kept(target, tokenizer):
     engine.prefixes.capacity = 2
     families = [[k + 3] * (MIN_TOKENS + 4) for k in range(3)]
     for family in families:
-        run(engine, family, SamplingConfig(max_new_tokens=1))
+        engine.keep_prefix(family)
     assert len(engine.prefixes) == 2
     _, state = run(engine, families[0] + [9], SamplingConfig(max_new_tokens=1))
     assert state.stats.reused_prefix_tokens == 0  # the oldest was dropped

@@ -35,7 +35,6 @@ from pipecat.processors.aggregators.llm_response_universal import (
 from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_transport import BaseTransport
 
-from llm_engine.config import SamplingConfig
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config, TurnConfig
@@ -94,9 +93,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
         def build() -> LLMRuntime:
             runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
             progress("prefilling the system prompt once for every call's first turn ...")
-            for _ in runtime.engine.generate(call_prefix(cfg, runtime.target.tokenizer, tools),
-                                             SamplingConfig(max_new_tokens=1)):
-                pass  # the engine keeps the prompt's KV (`llm_engine.prefixes`)
+            runtime.engine.keep_prefix(call_prefix(cfg, runtime.target.tokenizer, tools))
             return runtime
 
         engine, llm = AsyncEngine.build(build)
