@@ -10,6 +10,7 @@ caches, generator, proposer and statistics.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -54,6 +55,7 @@ from llm_engine.verify import (
     verify_sampling,
 )
 
+log = logging.getLogger(__name__)
 _NO_TOKENS = torch.empty(0, dtype=torch.long)  # [0], the draft of a plain step
 _DROPPED_KEPT = 1024  # dropped session ids remembered (a request outlives its call by a step)
 
@@ -256,7 +258,9 @@ class SpeculativeEngine:
         stats, and its tokens are the ones it would get alone. A prefill chunk runs alone.
 
         Returns each request's new tokens, or the exception its step raised: one request's
-        failure is its own (a shared forward that fails is each of its requests')."""
+        failure is its own (a shared forward that fails is run again request by request). Each
+        request of a shared forward records the whole forward's time as its verify time: what
+        it waited, which is what its cost gate weighs."""
         results: dict[int, list[int] | Exception] = {}
         drafted: list[tuple[int, RequestState, _Drafted]] = []
         shares = self.shared_forwards and self.runner.shared_rows > 0
@@ -273,18 +277,24 @@ class SpeculativeEngine:
             for batch in _batches(drafted, self.runner.shared_rows):
                 t0 = time.perf_counter()
                 try:
-                    if len(batch) == 1:
-                        outs = [self._verify_forward(batch[0][1], batch[0][2])]
-                    else:
-                        outs = self.runner.forward_many(
+                    outs = [self._verify_forward(batch[0][1], batch[0][2])] if len(batch) == 1 \
+                        else self.runner.forward_many(
                             [(state.cache, torch.tensor([step.rows], device=self.device))
                              for _, state, step in batch])
                 except Exception as exc:
-                    results.update((j, exc) for j, _, _ in batch)
-                    continue
+                    if len(batch) == 1:
+                        results[batch[0][0]] = exc
+                        continue
+                    # Which request broke it? Each runs alone: only that one fails.
+                    log.warning("a shared forward failed: its requests run alone", exc_info=exc)
+                    outs = [None] * len(batch)
                 verify_s = time.perf_counter() - t0
                 for (j, state, step), out in zip(batch, outs, strict=True):
                     try:
+                        if out is None:
+                            t1 = time.perf_counter()
+                            out = self._verify_forward(state, step)
+                            verify_s = time.perf_counter() - t1
                         results[j] = self._settle(state, step, out, verify_s)
                     except Exception as exc:
                         results[j] = exc
@@ -526,9 +536,10 @@ class SpeculativeEngine:
 
     def keep_prefix(self, prompt_ids: list[int]) -> None:
         """Prefill `prompt_ids` once, in the chunks a request's prefill uses, and keep their KV
-        for every new session whose prompt starts with them (a system prompt and tools:
-        `llm_engine.prefixes`). Only prefixes kept so are shared: every session then starts
-        from the same numbers, whichever request came first."""
+        for every new session whose prompt shares a long enough prefix with them (a system
+        prompt and tools: `llm_engine.prefixes`; a request with an EAGLE head prefills its own).
+        Only prefixes kept so are shared: every session then starts from the same numbers,
+        whichever request came first."""
         if self.prefixes is None:
             return
         with torch.inference_mode():

@@ -61,7 +61,7 @@ class TargetRunner:
 
     def copy_prefix(self, cache, length: int, compact: bool = False):
         """A new cache holding a copy of the first `length` positions of `cache`; `compact`:
-        sized for those alone (kept, never run on)."""
+        it may be sized for those alone (kept, never run on; a growing cache ignores it)."""
         raise NotImplementedError
 
     def forward_many(self, steps: list[tuple[object, torch.Tensor]]) -> list[Forward]:

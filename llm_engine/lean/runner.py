@@ -128,6 +128,8 @@ class LeanRunner(TargetRunner):
         rows = sum(ids.shape[1] for _, ids in steps)
         if len(steps) < 2 or rows > self.shared_rows:
             return super().forward_many(steps)
+        if len({id(cache) for cache, _ in steps}) < len(steps):
+            raise ValueError("two requests of one forward share a cache")
         parts = []
         for cache, ids in steps:
             if cache.length + ids.shape[1] > self.max_cache_len:

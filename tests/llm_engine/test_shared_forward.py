@@ -125,3 +125,15 @@ def _counting(forward_many, sizes: list[int]):
         sizes.append(len(steps))
         return forward_many(steps)
     return counted
+
+
+def test_a_shared_forward_that_fails_is_run_again_request_by_request(target, tokenizer):
+    eng = engine(target, tokenizer, invariant(target, "q4"), "off")
+    prompts = random_prompts(len(tokenizer), 3, seed=13)
+    alone = [run(eng, p)[0] for p in prompts]
+
+    def broken(steps):
+        raise RuntimeError("shared forward broke")
+
+    eng.runner.forward_many = broken
+    assert step_together(eng, prompts) == alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 
 import httpx
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.voiceagent.serving import server_config
 from tests.voiceagent.tiny_shared import tiny_shared
 from voiceagent.server.app import create_app
+from voiceagent.server.serve import DrainingServer, uvicorn_config
 
 
 def _worker_up(metrics_text: str) -> float:
@@ -70,3 +72,23 @@ async def test_a_drain_needs_the_token_then_refuses_new_calls_and_stops_the_proc
     assert health.json() == {"status": "draining", "calls": 1}
     assert offer.status_code == 503 and "draining" in offer.json()["detail"]
     assert held
+
+
+async def test_a_sigterm_during_a_drain_asked_over_http_joins_it_and_a_second_stops(tmp_path):
+    shared = tiny_shared(threading.Event())
+    app = create_app(server_config(tmp_path), shared)
+    server = DrainingServer(uvicorn_config(app, app.state.server.cfg, "127.0.0.1", 0, "warning"),
+                            app.state.server)
+    server._loop = asyncio.get_running_loop()  # as startup() sets it
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://127.0.0.1") as http:
+            app.state.server.calls.reserve("twilio")  # a call holds the drain open
+            assert (await http.post("/admin/drain")).status_code == 202
+            server.handle_exit(signal.SIGTERM, None)  # systemctl restart: the drain goes on
+            await asyncio.sleep(0.05)
+            joined = not server.should_exit
+            server.handle_exit(signal.SIGTERM, None)  # the operator insists: stop now
+    finally:
+        shared.close()
+    assert joined and server.should_exit

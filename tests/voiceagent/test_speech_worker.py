@@ -26,7 +26,6 @@ async def test_a_critical_job_overtakes_queued_background_ones(worker):
             for name, priority in (("interim 1", BACKGROUND), ("interim 2", BACKGROUND),
                                    ("final", CRITICAL))]
     await asyncio.sleep(0.05)
-    assert worker.waiting == 3
     gate.set()
     await asyncio.gather(busy, *jobs)
     assert ran == ["final", "interim 1", "interim 2"]
@@ -52,3 +51,20 @@ async def test_a_failing_job_raises_in_its_caller_and_the_worker_goes_on(worker)
     with pytest.raises(ValueError, match="bad audio"):
         await worker.run(fail, priority=CRITICAL)
     assert await worker.run(lambda: 42) == 42
+
+
+async def test_closing_fails_the_queued_jobs_and_refuses_new_ones():
+    worker = SpeechWorker("closing-worker")
+    gate = threading.Event()
+    busy = asyncio.ensure_future(worker.run(gate.wait, 5))
+    await asyncio.sleep(0.05)
+    queued = asyncio.ensure_future(worker.run(lambda: "never"))
+    await asyncio.sleep(0.05)
+    closing = asyncio.get_running_loop().run_in_executor(None, worker.close)
+    gate.set()
+    await closing
+    assert await busy  # the job in progress finishes
+    with pytest.raises(RuntimeError, match="closed"):
+        await queued
+    with pytest.raises(RuntimeError, match="closed"):
+        await worker.run(lambda: "late")

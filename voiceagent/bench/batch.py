@@ -9,7 +9,9 @@ forwards). Each request is prefilled first; the figures are its decode phase:
 - aggregate tok/s (`aggregate_tok_s`): every session's tokens after its first, over the wall
   time from the decode phase's start to the last session's end;
 - per-session tok/s: each request's own decode rate (`RequestStats.tokens_per_s`), the median;
-- identical: every session's tokens equal the same prompt's run alone.
+- identical: every session's tokens in the shared run equal its tokens stepped one by one
+  (each its own forward, as alone);
+- shared ÷ 1 session: against the same mode's one session of this run.
 """
 
 from __future__ import annotations
@@ -85,9 +87,13 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
                 "identical": together["outputs"] == one_by_one["outputs"],
             })
     for row in rows:  # against one session of the same mode, measured in this run
-        one = next(r for r in rows if r["mode"] == row["mode"] and r["sessions"] == min(sizes))
-        row["shared_vs_one_session"] = row["shared_tok_s"] / one["shared_tok_s"]
+        one = next((r for r in rows if r["mode"] == row["mode"] and r["sessions"] == 1), None)
+        row["shared_vs_one_session"] = _ratio(row["shared_tok_s"], one and one["shared_tok_s"])
     return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def render(rows: list[dict], header: list[str]) -> str:
@@ -98,8 +104,9 @@ def render(rows: list[dict], header: list[str]) -> str:
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['sessions']} | {fmt(r['one_by_one_tok_s'], 1)} | "
-            f"{fmt(r['shared_tok_s'], 1)} | {fmt(r['shared_tok_s'] / r['one_by_one_tok_s'], 2)}x | "
-            f"{fmt(r['shared_vs_one_session'], 2)}x | {fmt(r['session_tok_s_p50'], 1)} | "
+            f"{fmt(r['shared_tok_s'], 1)} | "
+            f"{fmt(_ratio(r['shared_tok_s'], r['one_by_one_tok_s']), 2, 'x')} | "
+            f"{fmt(r['shared_vs_one_session'], 2, 'x')} | {fmt(r['session_tok_s_p50'], 1)} | "
             f"{'yes' if r['identical'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 

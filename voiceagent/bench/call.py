@@ -240,6 +240,9 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
     finally:
         bar.close()
         shared.close()
+        for models in {id(m): m for m in speech.values()}.values():
+            if models is not shared.speech:  # a variant's own: its worker threads end too
+                models.close()
     spec = {name: counted_during(before[name], await chat.speculation())
             for name, chat in remotes.items()}
     return turns, spec, floor

@@ -61,6 +61,7 @@ async def knee(cfg: Config, shared, audio: list, callers: list[int],
     for label, method, shared_forwards in runs:
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.engine.speculation.method = method
+        run_cfg.engine.shared_forwards = shared_forwards  # what this variant's turns record
         if engine is not None:
             engine.shared_forwards = shared_forwards
         async with serving_in_process(run_cfg, shared) as (app, base):

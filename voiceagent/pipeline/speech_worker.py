@@ -28,25 +28,29 @@ class SpeechWorker:
         self.name = name
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()  # arrival order within a priority
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def waiting(self) -> int:
-        """Jobs queued and not yet started (what admission and /metrics read as load)."""
-        return self._jobs.qsize()
-
     async def run(self, fn: Callable[..., T], *args: Any, priority: int = BACKGROUND) -> T:
         """fn(*args) on the worker thread, after every job queued before it at its priority or
-        a more urgent one."""
+        a more urgent one. Raises RuntimeError once the worker is closed."""
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._jobs.put((priority, next(self._order), fn, args, loop, done))
         return await done
 
     def close(self) -> None:
+        """Stop after the job in progress; the jobs still queued fail with RuntimeError."""
+        self._closed = True
         self._jobs.put((-1, next(self._order), None, (), None, None))  # before anything queued
         self._thread.join(5)
+        while not self._jobs.empty():
+            _, _, _, _, loop, done = self._jobs.get_nowait()
+            if done is not None:  # not the stop marker of a worker still busy
+                _post(loop, done, None, RuntimeError(f"{self.name} closed"))
 
     def _serve(self) -> None:
         while True:
@@ -57,12 +61,16 @@ class SpeechWorker:
                 continue
             try:
                 result, error = fn(*args), None
-            except Exception as exc:  # the caller's to handle; the worker serves the next job
+            except BaseException as exc:  # the caller's to handle; the worker serves the next
                 result, error = None, exc
-            try:
-                loop.call_soon_threadsafe(_resolve, done, result, error)
-            except RuntimeError:  # that caller's event loop has closed
-                pass
+            _post(loop, done, result, error)
+
+
+def _post(loop, done, result, error) -> None:
+    try:
+        loop.call_soon_threadsafe(_resolve, done, result, error)
+    except RuntimeError:  # that caller's event loop has closed
+        pass
 
 
 def _resolve(done: asyncio.Future, result, error: BaseException | None) -> None:

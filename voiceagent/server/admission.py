@@ -1,12 +1,15 @@
 """Admission by measured load: take a new call only while the turns measured lately say that the
 calls in progress and the new one would still answer within the target.
 
-Each finished turn leaves its clock 3 (turn end -> first audio) and how many calls were in
-progress when it ended. On two busy cores a turn's wait grows with the calls sharing them (every
+Each finished turn leaves its clock 3 (turn end -> first audio), the part of it no load changes
+(the VAD hangover and a tool's own run time) and how many calls were in progress when its record
+was written. On two busy cores the rest of a turn's wait grows with the calls sharing them (every
 stage queues behind the others'), so a turn measured with k calls in progress predicts
-clock 3 x (n + 1) / k with n + 1. A new call is admitted while the p95 of that prediction over
-the recent turns is within `server.admit_clock3_ms`; with no recent turn (an idle process) it is
-admitted. `server.max_calls` stays the hard cap.
+fixed + (clock 3 - fixed) x (n + 1) / k with n + 1. A new call is admitted while the p95 of that
+prediction over the recent turns is within `server.admit_clock3_ms`; with no recent turn (an
+idle process) it is admitted. `server.max_calls` stays the hard cap. k is counted when the
+record is written, after the reply was spoken, so a call that ended meanwhile makes the
+prediction err on the side of refusing.
 """
 
 from __future__ import annotations
@@ -31,23 +34,28 @@ class Admission:
         self.target_ms = target_ms
         self._active_calls = active_calls
         self._clock = clock
-        self._turns: deque[tuple[float, float, int]] = deque(maxlen=MAX_TURNS)
+        self._turns: deque[tuple[float, float, float, int]] = deque(maxlen=MAX_TURNS)
 
     def write(self, record: TurnRecord) -> None:
-        self.record(record.clocks.turn_end_to_first_audio_ms, self._active_calls())
+        b = record.breakdown
+        fixed = (b.vad_hangover_ms or 0.0) + (b.tools_ms or 0.0)
+        self.record(record.clocks.turn_end_to_first_audio_ms, self._active_calls(), fixed)
 
     def close(self) -> None:
         pass
 
-    def record(self, clock3_ms: float | None, calls: int) -> None:
-        """A finished turn: its clock 3 and the calls in progress when it ended."""
+    def record(self, clock3_ms: float | None, calls: int, fixed_ms: float = 0.0) -> None:
+        """A finished turn: its clock 3, the part of it no load changes, and the calls in
+        progress."""
         if clock3_ms is not None and calls > 0:
-            self._turns.append((self._clock(), clock3_ms, calls))
+            fixed = min(fixed_ms, clock3_ms)
+            self._turns.append((self._clock(), fixed, clock3_ms - fixed, calls))
 
     def predicted_p95_ms(self, calls: int) -> float | None:
         """Clock 3's p95 predicted with `calls` calls in progress; None without recent turns."""
         since = self._clock() - WINDOW_S
-        scaled = [ms * calls / at for t, ms, at in self._turns if t >= since]
+        scaled = [fixed + loaded * calls / at for t, fixed, loaded, at in self._turns
+                  if t >= since]
         return percentile(scaled, 95)
 
     def refusal(self, active: int) -> str | None:
@@ -60,9 +68,10 @@ class Admission:
         return (f"server busy: with {active + 1} calls a turn would wait {predicted:.0f} ms "
                 f"(p95 predicted from the last turns) > {self.target_ms:.0f} ms, try again later")
 
-    def headroom(self, active: int) -> dict:
-        """What `/healthz` shows a balancer."""
+    def headroom(self, active: int, max_calls: int) -> dict:
+        """What `/healthz` shows a balancer: whether a call now would be taken (the hard cap
+        included; a draining process answers /healthz with 503 instead)."""
         predicted = self.predicted_p95_ms(active + 1)
         return {"target_clock3_ms": self.target_ms,
                 "next_call_clock3_p95_ms": None if predicted is None else round(predicted),
-                "admits": self.refusal(active) is None}
+                "admits": active < max_calls and self.refusal(active) is None}

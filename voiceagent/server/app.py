@@ -96,7 +96,8 @@ def create_app(
             # Degraded: calls are answered, but turns wait in the journal for the store.
             return {"status": "degraded" if store["failing"] or llm_error else "ready",
                     "calls": len(state.calls.active), "max_calls": state.calls.max_calls,
-                    "admission": state.admission.headroom(len(state.calls.active)),
+                    "admission": state.admission.headroom(
+                        len(state.calls.active), state.calls.max_calls),
                     "store": store, "llm": {"backend": cfg.llm.backend, "last_error": llm_error}}
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 503)

@@ -112,6 +112,7 @@ class DrainingServer(uvicorn.Server):
         self.state = state  # the app's ServerState
         state.request_exit = self.stop
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._terms = 0  # SIGTERMs received: the first drains, the second stops at once
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -122,10 +123,12 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:
         drains = sig == signal.SIGTERM and self.state.cfg.server.drain_timeout_s > 0
-        if not drains or self.state.drain_task is not None or self._loop is None:
+        self._terms += sig == signal.SIGTERM
+        if not drains or self._terms > 1 or self._loop is None:
             super().handle_exit(sig, frame)  # SIGINT, a second SIGTERM, or no drain: stop now
             return
-        # A signal handler: the drain starts on the event loop.
+        # A signal handler: the drain starts on the event loop (or goes on, if POST /admin/drain
+        # started it).
         self._loop.call_soon_threadsafe(self.state.start_drain)
 
 
