@@ -3,6 +3,8 @@
 Run through pipecat's own test harness (`run_test`) with speech synthesised by the Piper voice.
 """
 
+import asyncio
+import threading
 import time
 
 import numpy as np
@@ -30,11 +32,13 @@ from pipecat.pipeline.worker import PipelineParams
 from pipecat.tests.utils import SleepFrame, run_test
 from piper import SynthesisConfig
 
+from audio.asr import StreamingTranscriber
 from audio.config import ASRConfig, TTSConfig, VADConfig
 from audio.wav import frames
 from tests.audio.speech import silence, speech
 from voiceagent.models import resolve
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
+from voiceagent.pipeline.speech_worker import CRITICAL, SpeechWorker
 from voiceagent.pipeline.stt import StreamingWhisperSTTService, load_asr_model
 from voiceagent.pipeline.tts import load_tts_voice, make_tts
 from voiceagent.pipeline.vad import load_vad_model, make_vad
@@ -289,3 +293,35 @@ async def test_tts_interruption_drops_the_rest_of_the_reply(tts):
     assert not after, "audio kept coming after the interruption"
     spoken = sum(len(f.audio) for f in before) / 2 / 24000
     assert spoken < 60 * 3.0 / 2  # far less than the whole reply (about 3 s a clause)
+
+
+async def test_an_interim_queued_behind_other_calls_work_gives_way_to_the_final(whisper):
+    worker = SpeechWorker("asr-test")
+    gate, ran = threading.Event(), []
+    interim = StreamingTranscriber.interim
+
+    def counted(self):
+        ran.append("interim")
+        return interim(self)
+
+    # Another call's long pass holds the worker; this call's interims queue behind it.
+    other = asyncio.ensure_future(worker.run(gate.wait, 10, priority=CRITICAL))
+    stt = StreamingWhisperSTTService(model=whisper, cfg=ASRConfig(interim_every_ms=300),
+                                     worker=worker)
+    send = [
+        VADUserStartedSpeakingFrame(),
+        *audio_frames(speech(QUESTION)),
+        VADUserStoppedSpeakingFrame(stop_secs=0.2),
+        SleepFrame(0.2),
+    ]
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(StreamingTranscriber, "interim", counted)
+            asyncio.get_running_loop().call_later(1.0, gate.set)
+            down, _ = await run_test(stt, frames_to_send=send)
+        await other
+    finally:
+        worker.close()
+    _, finals, metrics = stt_results(down)
+    assert "france" in words(finals[0].text)
+    assert not metrics[0].reused_interim and ran == []  # the queued interim never ran

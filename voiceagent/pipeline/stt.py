@@ -18,6 +18,7 @@ spoke again.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncGenerator
 
@@ -83,6 +84,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         self._preroll = np.zeros(0, np.int16)  # the latest audio while nobody speaks
         self._utterance: StreamingTranscriber | None = None  # set between VAD start and stop
         self._interim_task: asyncio.Task | None = None
+        self._interim_started = threading.Event()  # the last interim's model pass has begun
         self._final_task: asyncio.Task | None = None
         self._pause_task: asyncio.Task | None = None  # transcribes the utterance at a pause
         self._paused = False  # between a pause and the speech that resumes it (or the stop)
@@ -120,6 +122,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
             return
         self._paused = True
         self._pauses += 1
+        self._drop_queued_interim()
         running = [t for t in (self._interim_task, self._pause_task) if t is not None]
         self._pause_task = self.create_task(
             self._transcribe_pause(utterance, utterance.samples, running, self._pauses),
@@ -157,6 +160,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         self._clear_eager_end_of_turn()
         if utterance is None:
             return
+        self._drop_queued_interim()
         # Speech ended stop_secs before the VAD said so: the hangover is silence.
         speech_end = max(0, utterance.samples - round(frame.stop_secs * SAMPLE_RATE))
         # The clock starts when the stop reaches us, not at frame.timestamp: a frame can be built
@@ -174,11 +178,27 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
             return  # paused: the pause transcript is the one that matters
         if self._interim_task is not None and not self._interim_task.done():
             return  # skip: queueing interims would only delay the final
-        self._interim_task = self.create_task(self._run_interim(utterance), name="asr_interim")
+        self._interim_started = threading.Event()
+        self._interim_task = self.create_task(self._run_interim(utterance, self._interim_started),
+                                              name="asr_interim")
 
-    async def _run_interim(self, utterance: StreamingTranscriber):
+    def _drop_queued_interim(self) -> None:
+        """An interim still queued behind other calls' work is withdrawn: the transcript at a
+        pause or at the stop, which would wait for it, goes first instead (the worker drops a
+        job whose caller stopped waiting). One already running is awaited: it may cover the
+        end of speech."""
+        task = self._interim_task
+        if task is not None and not task.done() and not self._interim_started.is_set():
+            task.cancel()
+            self._interim_task = None
+
+    async def _run_interim(self, utterance: StreamingTranscriber, started: threading.Event):
+        def interim() -> Transcript:
+            started.set()
+            return utterance.interim()
+
         try:
-            result = await self._transcribe(utterance.interim, priority=BACKGROUND)
+            result = await self._transcribe(interim, priority=BACKGROUND)
         except Exception as e:
             await self.push_error(f"{self}: interim transcription failed: {e}", exception=e)
             return
