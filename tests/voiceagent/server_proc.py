@@ -52,10 +52,10 @@ def running_server(
         fd, name = tempfile.mkstemp(prefix="voiceagent-serve-", suffix=".log")
         os.close(fd)
         log_path = Path(name)
-    # 4 slots (the default is the 2-core knee, 1): a call right after another must not meet the
+    # 4 slots and no admission by load: a call right after another must not meet the
     # previous call's slot still being freed.
     cmd = [sys.executable, "-m", "voiceagent.cli", "serve", "--port", str(port),
-           "--set", "server.max_calls=4", *extra_args]
+           "--set", "server.max_calls=4", "--set", "server.admit_clock3_ms=0", *extra_args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     base_url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:

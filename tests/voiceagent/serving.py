@@ -13,9 +13,10 @@ __all__ = ["server_config", "serving", "twilio_url", "until"]
 
 def server_config(tmp_path, *overrides: str) -> Config:
     """The default config with its store under `tmp_path`; calls one after another must not
-    meet the previous call's slot still being freed, so 4 slots unless `overrides` say."""
+    meet the previous call's slot still being freed, so 4 slots and no admission by measured
+    load (test_admission turns it on) unless `overrides` say."""
     return load_config(None, [f"paths.runs_dir={tmp_path}/runs", "server.max_calls=4",
-                              *overrides])
+                              "server.admit_clock3_ms=0", *overrides])
 
 
 def twilio_url(base: str) -> str:

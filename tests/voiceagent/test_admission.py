@@ -62,7 +62,7 @@ def test_a_target_of_zero_admits_up_to_max_calls():
 async def test_a_call_the_load_cannot_take_is_refused_and_the_one_in_progress_is_untouched(
         tmp_path):
     shared = tiny_shared(threading.Event())
-    app = create_app(server_config(tmp_path), shared)
+    app = create_app(server_config(tmp_path, "server.admit_clock3_ms=1500"), shared)
     state = app.state.server
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
