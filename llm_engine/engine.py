@@ -267,9 +267,10 @@ class SpeculativeEngine:
         with torch.inference_mode():
             for j, state in enumerate(states):
                 try:
+                    budget = self._budget(state)
                     if shares and state.prefilled and not state.finished \
-                            and not state.cancelled and self._budget(state) > 0:
-                        drafted.append((j, state, self._draft(state, self._budget(state))))
+                            and not state.cancelled and budget > 0:
+                        drafted.append((j, state, self._draft(state, budget)))
                     else:
                         results[j] = self.step(state)
                 except Exception as exc:

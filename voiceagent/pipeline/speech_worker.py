@@ -66,6 +66,14 @@ class SpeechWorker:
             _post(loop, done, result, error)
 
 
+async def run_on(worker: SpeechWorker | None, fn: Callable[..., T], *args: Any,
+                 priority: int = BACKGROUND) -> T:
+    """fn(*args) on `worker`, or on a thread of its own without one (a service built alone)."""
+    if worker is None:
+        return await asyncio.to_thread(fn, *args)
+    return await worker.run(fn, *args, priority=priority)
+
+
 def _post(loop, done, result, error) -> None:
     try:
         loop.call_soon_threadsafe(_resolve, done, result, error)

@@ -52,7 +52,7 @@ from voiceagent.pipeline.frames import (
     UserWordsSoFarFrame,
 )
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
-from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker
+from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker, run_on
 
 
 class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
@@ -254,11 +254,8 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         await self.push_frame(MetricsFrame(data=[metrics]))
 
     async def _transcribe(self, fn, *args, priority: int):
-        """A Whisper pass on the process's ASR worker (urgent ones first), or on a thread of its
-        own without one."""
-        if self._worker is None:
-            return await asyncio.to_thread(fn, *args)
-        return await self._worker.run(fn, *args, priority=priority)
+        """A Whisper pass on the process's ASR worker, urgent ones first."""
+        return await run_on(self._worker, fn, *args, priority=priority)
 
     def _language(self) -> Language | None:
         try:

@@ -17,7 +17,6 @@ takes about 0.5 s and 60 MB, too much per call and too slow for the event loop).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from audio.text import ClauseSplitter, split_clauses
 from audio.wav import resample
 from voiceagent.models import resolve
 from voiceagent.pipeline.frames import PreparedResponseStartFrame
-from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker
+from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker, run_on
 
 
 class ClauseTextAggregator(BaseTextAggregator):
@@ -159,12 +158,10 @@ class ClausePiperTTSService(TTSService):
 
     async def _next_chunk(self, chunks):
         """Piper's next chunk on the process's TTS worker (a reply's first phrase before other
-        calls' later ones), or on a thread of its own without one."""
-        if self._worker is None:
-            return await asyncio.to_thread(next, chunks, None)
+        calls' later ones)."""
         priority = CRITICAL if self._first_phrase else BACKGROUND
         self._first_phrase = False
-        return await self._worker.run(next, chunks, None, priority=priority)
+        return await run_on(self._worker, next, chunks, None, priority=priority)
 
 
 def load_tts_voice(cfg: TTSConfig):
