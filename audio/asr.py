@@ -34,6 +34,7 @@ class Transcript:
     reused: bool = False  # the final is an earlier interim, the model was not run again
     window: str = "padded"  # which Whisper window answered: "speech" (cut) or "padded" (30 s)
     fallback: str = ""  # why a cut run gave way to the padded one
+    owed: str = ""  # an interim's kept cut run still owes the padded one (digits): not final
 
     @property
     def audio_ms(self) -> float:
@@ -88,18 +89,22 @@ class StreamingTranscriber:
         return self._last
 
     def covers(self, speech_end_offset: int | None = None) -> bool:
-        """Whether the last interim heard all audio up to `speech_end_offset` (None: all fed)."""
+        """Whether the last interim heard all audio up to `speech_end_offset` (None: all fed) and
+        may stand as the final (it owes no padded run)."""
         end = self._samples if speech_end_offset is None else speech_end_offset
-        return self._last is not None and self._last.samples >= end
+        last = self._last
+        return last is not None and not last.owed and last.samples >= end
 
     def interim_due(self) -> bool:
         """At least `interim_every_ms` of new audio since the last interim started."""
         return self._samples - self._interim_mark >= self.interim_every
 
-    def interim(self) -> Transcript:
-        """Transcribe the utterance so far (blocking: run it off the event loop)."""
+    def interim(self, settle: bool = False) -> Transcript:
+        """Transcribe the utterance so far (blocking: run it off the event loop). `settle`: a
+        transcript that may stand as the final (at a pause), not a hint while the caller
+        speaks: a cut run that holds digits is then redone padded."""
         audio = self._snapshot(mark_interim=True)
-        result = self._transcribe(audio)
+        result = self._transcribe(audio, settle)
         with self._lock:
             if self._last is None or result.samples >= self._last.samples:
                 if self._last is not None:
@@ -124,7 +129,7 @@ class StreamingTranscriber:
         if last is not None and self.covers(speech_end_offset):
             return Transcript(last.text, last.samples, model_ms=0.0, reused=True,
                               window=last.window, fallback=last.fallback)
-        return self._transcribe(self._snapshot(mark_interim=False))
+        return self._transcribe(self._snapshot(mark_interim=False), settle=True)
 
     def _snapshot(self, mark_interim: bool) -> np.ndarray:
         with self._lock:
@@ -134,20 +139,23 @@ class StreamingTranscriber:
                 self._interim_mark = len(audio)
         return audio
 
-    def _transcribe(self, audio: np.ndarray) -> Transcript:
+    def _transcribe(self, audio: np.ndarray, settle: bool) -> Transcript:
         t0 = time.perf_counter()
         run = WhisperRun("", self.cfg.window)
         if len(audio):
             samples = audio.astype(np.float32) / 32768.0
             language = self.cfg.language or None
-            if self.cfg.window == "speech":
+            owed = self._last.owed if self._last is not None else ""
+            if self.cfg.window == "speech" and not (settle and owed):
                 run = transcribe_speech(self.model, samples, language, self.cfg.beam_size,
-                                        self.cfg.window_margin_ms, self.cfg.window_min_ms)
+                                        self.cfg.window_margin_ms, self.cfg.window_min_ms,
+                                        self.cfg.digits_padded, settle)
             else:
+                # An interim already heard digits: the cut run would only give way again.
                 run = WhisperRun(transcribe_padded(self.model, samples, language,
-                                                   self.cfg.beam_size), "padded")
+                                                   self.cfg.beam_size), "padded", owed)
         return Transcript(run.text, len(audio), model_ms=(time.perf_counter() - t0) * 1000,
-                          window=run.window, fallback=run.fallback)
+                          window=run.window, fallback=run.fallback, owed=run.owed)
 
 
 def _common_words(a: str, b: str) -> str:

@@ -45,6 +45,10 @@ class ASRConfig:
     # The shortest context: below ~10 s, tiny.en loops on short phrases ("Yes? Yes? Yes?"),
     # and a run over 10 s costs ~80 ms against ~50 ms over 3 s (two CPU cores).
     window_min_ms: int = 10000
+    # Redo a cut run that holds digits on the padded window (once, at the caller's pause). Off:
+    # on the project's speech the cut run misheard digits no more often than the padded one
+    # (`voiceagent bench asr`, docs/BENCHMARKS.md), and the padded run costs ~3 cut runs.
+    digits_padded: bool = False
     # Re-transcribe the growing utterance at this cadence while the caller speaks. A run on the
     # speech window is cheap, so the transcript at the caller's pause is mostly ready already.
     interim_every_ms: int = 400

@@ -8,8 +8,10 @@ decodes that (whisper.cpp's `audio_ctx` does the same). A short context has a kn
 the decoder, expecting more audio, repeats itself or trails off. So the decode keeps its
 timestamps (a loop starts its segments after the audio ends, and those are dropped), its text is
 checked, and the padded run is made instead when it repeats, runs past what the audio can hold,
-its log-probability is poor, or it holds digits (a number read out digit by digit is where the
-short context errs most); the run says which window answered and why.
+or its log-probability is poor; the run says which window answered and why. Optionally
+(`digits_padded`) a cut run that holds digits is redone padded too; an interim, a hint while the
+caller speaks, then keeps the cut run (`settle=False`) and owes the padded one, made once at the
+pause rather than at every interim.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SECONDS_PER_TIMESTAMP = 0.02
 # A poor decode. Looser than faster-whisper's -1.0 (its `log_prob_threshold`, which only starts
 # its temperature fallback): a one-word answer ("Yes.") scores -0.7 to -1.2 in either window.
 MIN_AVG_LOGPROB = -1.5
+DIGITS = "digits"  # the doubt an unsettled run may keep
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class WhisperRun:
     text: str
     window: str  # "speech": the cut encoder answered; "padded": the 30 s window
     fallback: str = ""  # why the cut run was not kept ("" when it was, or none was tried)
+    owed: str = ""  # why the padded run is still owed for this kept cut run ("" when it is not)
 
 
 def transcribe_padded(model, audio: np.ndarray, language: str | None, beam_size: int) -> str:
@@ -56,9 +60,11 @@ def transcribe_padded(model, audio: np.ndarray, language: str | None, beam_size:
 
 
 def transcribe_speech(model, audio: np.ndarray, language: str | None, beam_size: int,
-                      margin_ms: int, min_ms: int) -> WhisperRun:
+                      margin_ms: int, min_ms: int, digits_padded: bool = False,
+                      settle: bool = True) -> WhisperRun:
     """The cut run, checked; the padded run when the check fails. `model` is a
-    faster_whisper.WhisperModel; `audio` float32 at 16 kHz."""
+    faster_whisper.WhisperModel; `audio` float32 at 16 kHz. `digits_padded`: digits fail the
+    check; `settle=False` then keeps such a run, marked `owed`."""
     import ctranslate2
     from faster_whisper.tokenizer import Tokenizer
 
@@ -81,9 +87,11 @@ def transcribe_speech(model, audio: np.ndarray, language: str | None, beam_size:
     tokens = result.sequences_ids[0]
     spoken = [seg for start, seg in segments(tokens, tokenizer.timestamp_begin) if start < audio_s]
     text = tokenizer.decode([t for seg in spoken for t in seg]).strip()
-    why = _doubt(text, len(tokens), budget, result.scores[0])
+    why = _doubt(text, len(tokens), budget, result.scores[0], digits_padded)
     if not why:
         return WhisperRun(text, "speech")
+    if why == DIGITS and not settle:
+        return WhisperRun(text, "speech", owed=why)
     return WhisperRun(transcribe_padded(model, audio, language, beam_size), "padded", why)
 
 
@@ -103,7 +111,8 @@ def segments(tokens: list[int], timestamp_begin: int) -> list[tuple[float, list[
     return out
 
 
-def _doubt(text: str, n_tokens: int, budget: int, avg_logprob: float) -> str:
+def _doubt(text: str, n_tokens: int, budget: int, avg_logprob: float,
+           digits_padded: bool) -> str:
     """Why a cut run's text is not to be trusted, or "" when it is."""
     if n_tokens >= budget - 1:  # CTranslate2 stops a token or two short of max_length
         return "ran past the audio"
@@ -111,10 +120,8 @@ def _doubt(text: str, n_tokens: int, budget: int, avg_logprob: float) -> str:
         return "repeats itself"
     if avg_logprob < MIN_AVG_LOGPROB:
         return f"log-probability {avg_logprob:.2f}"
-    if any(c.isdigit() for c in text):
-        # Digits read out one by one are where the short context errs most: on "order four
-        # eight two one three" 4 of 20 cut runs misheard the number, 1 of 20 padded ones.
-        return "digits"
+    if digits_padded and any(c.isdigit() for c in text):
+        return DIGITS
     return ""
 
 

@@ -125,6 +125,9 @@ class EngineConfig:
     # Live requests' decode and verify rows in one target forward where the runner can (the lean
     # runner): each request's tokens are unchanged; false runs one forward per request in turn.
     shared_forwards: bool = True
+    # A worker thread that dies (a failure no request's guard caught) fails what it held and
+    # serves again after a backoff, up to this many times in 10 minutes; then it stays down.
+    worker_restarts: int = 3
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -19,8 +19,10 @@ records cancel-to-stop time in the request's stats. A stop string or a failed st
 request through the same cancel, recorded as 'stop' or 'error', not as a caller's cancel.
 
 A dead worker (an exception that escaped every request's guard) is not silent: it fails every
-request it held, `submit` raises from then on, and `worker_alive` / `worker_error` say so to
-health checks. A caller gets an error at once instead of waiting for tokens that never come.
+request it held, `submit` raises, and `worker_alive` / `worker_error` say so to health checks. A
+caller gets an error at once instead of waiting for tokens that never come. With `restarts`, the
+worker then serves again after a backoff (0.5 s, doubling), up to `restarts` times in
+`RESTART_WINDOW_S`; `restarts_done` and `last_death` tell health checks it happened.
 """
 
 from __future__ import annotations
@@ -178,6 +180,10 @@ class RequestHandle(DeltaStream):
             pass
 
 
+RESTART_WINDOW_S = 600.0  # a worker that died `restarts` times in this long stays down
+RESTART_BACKOFF_S = 0.5  # before the first restart; doubling with each recent death
+
+
 class AsyncEngine:
     """Runs a `SpeculativeEngine` on its own worker thread for asyncio callers.
 
@@ -188,8 +194,12 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: SpeculativeEngine | None, name: str = "llm-engine",
-                 build: Callable[[], Any] | None = None):
+                 build: Callable[[], Any] | None = None, restarts: int = 0):
         self.engine = engine
+        self.restarts = restarts  # how often a dead worker may serve again in RESTART_WINDOW_S
+        self.restarts_done = 0
+        self.last_death: str | None = None  # why the worker last died, restarted or not
+        self._deaths: deque[float] = deque()
         self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
         self._closed = False
         self.in_flight = 0  # requests submitted and not yet ended
@@ -202,10 +212,11 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def build(cls, build: Callable[[], Any], name: str = "llm-engine") -> tuple[AsyncEngine, Any]:
+    def build(cls, build: Callable[[], Any], name: str = "llm-engine",
+              restarts: int = 0) -> tuple[AsyncEngine, Any]:
         """Run `build()` on a new worker thread, which then serves `build().engine`; returns the
         serving engine and what `build` returned. Raises what `build` raised."""
-        serving = cls(None, name, build)
+        serving = cls(None, name, build, restarts)
         serving._built.wait()
         built, error = serving._build
         if error is not None:
@@ -262,12 +273,35 @@ class AsyncEngine:
                 return
             finally:
                 self._built.set()
-        active: deque[RequestHandle] = deque()
-        try:
-            self._serve(active)
-        except BaseException as exc:  # escaped every request's guard: fail loudly, never hang
-            log.critical("LLM engine worker died", exc_info=exc)
-            self._fail_all(active, f"LLM engine worker died: {type(exc).__name__}: {exc}")
+        while True:
+            active: deque[RequestHandle] = deque()
+            try:
+                self._serve(active)
+                return
+            except BaseException as exc:  # escaped every request's guard: fail loudly, never hang
+                log.critical("LLM engine worker died", exc_info=exc)
+                self.last_death = f"LLM engine worker died: {type(exc).__name__}: {exc}"
+                self._fail_all(active, self.last_death)
+            if not self._may_restart():
+                return
+
+    def _may_restart(self) -> bool:
+        """After a death: wait out the backoff and serve again, unless the worker has died too
+        often lately (or is being closed)."""
+        now = time.monotonic()
+        while self._deaths and self._deaths[0] < now - RESTART_WINDOW_S:
+            self._deaths.popleft()
+        if len(self._deaths) >= self.restarts:
+            return False
+        time.sleep(RESTART_BACKOFF_S * 2 ** len(self._deaths))
+        self._deaths.append(now)
+        with self._admit:
+            if self._closed:
+                return False
+            self._error = None  # submit accepts requests again
+            self.restarts_done += 1
+        log.warning(f"LLM engine worker restarted ({self.restarts_done} so far): {self.last_death}")
+        return True
 
     def _serve(self, active: deque[RequestHandle]) -> None:
         while True:

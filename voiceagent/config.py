@@ -104,6 +104,10 @@ class ServerConfig(BaseModel):
     max_media_speed: float = Field(1.5, ge=1.0)
     media_burst_s: float = Field(2.0, gt=0)
     max_event_subscribers: int = Field(16, ge=1)  # open /api/events streams
+    # The pages' sign-in: a session cookie lasts this long (sign-out ends it sooner), and one
+    # client address may try to sign in this often a minute (then 429 with Retry-After).
+    session_ttl_s: float = Field(12 * 3600.0, ge=60)
+    session_attempts_per_min: int = Field(10, ge=1)
 
 
 class TurnConfig(BaseModel):
@@ -151,6 +155,9 @@ class AgentConfig(BaseModel):
     tool_templates: bool = True
     # Said after a tool that ends the call, which then hangs up; "": the model says its own.
     goodbye: str = "Thank you for calling. Goodbye!"
+    # Said when a turn's LLM request fails or times out, so the caller knows to say it again;
+    # "": silence (the turn is stored with its error either way).
+    error_reply: str = "Sorry, I missed that. Could you say it again?"
     # A short example exchange after the system prompt, showing an answer that does not repeat
     # the caller's words; prefilled once per call with the system prompt.
     examples: list[AgentExample] = []

@@ -123,9 +123,9 @@ class LLMRuntime:
     eagle: LoadedModel | None = None
     formats: list[FormatResult] = field(default_factory=list)  # when engine.format is auto
 
-    def serve(self) -> AsyncEngine:
-        """The engine on its worker thread, for asyncio callers."""
-        return AsyncEngine(self.engine)
+    def serve(self, restarts: int = 0) -> AsyncEngine:
+        """The engine on its worker thread, for asyncio callers (`restarts`: AsyncEngine's)."""
+        return AsyncEngine(self.engine, restarts=restarts)
 
 
 def build_runtime(

@@ -94,6 +94,32 @@ def test_final_runs_the_model_when_speech_came_after_the_interim(model):
     assert "france" in words(final.text)
 
 
+def test_an_interim_that_hears_digits_owes_the_padded_run_to_the_pause(model):
+    """With `digits_padded`: while the caller speaks, a cut run holding digits is kept as a hint
+    (no padded run per interim); the transcript at the pause settles it with one padded run and
+    no second cut."""
+    tr = StreamingTranscriber(model, ASRConfig(digits_padded=True))
+    tr.feed(speech("The order number is four eight two one three."))
+    tr.feed(silence(0.1))
+    interim = tr.interim()
+    assert any(c.isdigit() for c in interim.text), interim
+    assert (interim.window, interim.owed) == ("speech", "digits") and model.calls == 1
+    assert not tr.covers()  # it cannot stand as the final
+    settled = tr.interim(settle=True)
+    assert (settled.window, settled.fallback, settled.owed) == ("padded", "digits", "")
+    assert model.calls == 2
+    final = tr.final()
+    assert final.reused and final.text == settled.text and model.calls == 2
+
+
+def test_digits_keep_the_cut_run_by_default(model):
+    tr = StreamingTranscriber(model, ASRConfig())
+    tr.feed(speech("The order number is four eight two one three."))
+    final = tr.final()
+    assert any(c.isdigit() for c in final.text), final
+    assert (final.window, final.owed, model.calls) == ("speech", "", 1)
+
+
 def test_interim_is_due_every_cadence_of_new_audio(model):
     tr = StreamingTranscriber(model, ASRConfig(interim_every_ms=300))
     tr.feed(np.zeros(4799, np.int16))

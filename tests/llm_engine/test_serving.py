@@ -6,7 +6,7 @@ import pytest
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.serving import AsyncEngine
-from tests.llm_engine.tiny_models import break_forward, make_model
+from tests.llm_engine.tiny_models import break_forward, break_forward_once, make_model
 
 
 def _config(method: str = "ngram", max_new: int = 24) -> EngineConfig:
@@ -199,6 +199,46 @@ async def test_a_dead_worker_fails_its_requests_and_refuses_new_ones(tokenizer):
         assert serving.engine.totals.finish_reasons == {"error": 2}
     finally:
         serving.close()
+
+
+async def test_a_dead_worker_fails_what_it_held_then_serves_again(tokenizer):
+    model = make_model(len(tokenizer))
+    serving = AsyncEngine(SpeculativeEngine(model, tokenizer, _config("off")), restarts=1)
+    try:
+        break_forward_once(model, SystemExit("exit called mid-forward"))
+        failed = await asyncio.wait_for(serving.generate(_prompt(tokenizer, "Hello")), 5)
+        assert failed.finish_reason == "error" and "worker died: SystemExit" in failed.error
+        await _until(lambda: serving.worker_alive, 5)
+        served = await asyncio.wait_for(serving.generate(_prompt(tokenizer, "Hello")), 10)
+        assert served.finish_reason in ("eos", "length") and served.error is None
+        assert serving.restarts_done == 1 and "SystemExit" in serving.last_death
+    finally:
+        serving.close()
+
+
+async def test_a_worker_that_keeps_dying_stays_down_after_its_restarts(tokenizer):
+    go = threading.Event()
+    go.set()
+    serving = _breaking(tokenizer, SystemExit("exit called mid-forward"), go)
+    serving.restarts = 1
+    try:
+        for _ in range(2):
+            await _until(lambda: serving.worker_alive, 5)
+            failed = await asyncio.wait_for(serving.generate(_prompt(tokenizer, "Hello")), 5)
+            assert failed.finish_reason == "error"
+        await asyncio.sleep(1.5)  # past the next backoff: no third life
+        assert not serving.worker_alive and serving.restarts_done == 1
+        with pytest.raises(RuntimeError, match="worker died: SystemExit"):
+            serving.submit(_prompt(tokenizer, "Hello"))
+    finally:
+        serving.close()
+
+
+async def _until(condition, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
 async def test_build_loads_the_engine_on_the_thread_that_then_serves_it(target, tokenizer):

@@ -69,6 +69,15 @@ def make_model(
     return model
 
 
+def break_forward_once(model: torch.nn.Module, exc: BaseException) -> None:
+    """The next forward of `model`'s decoder raises `exc`; the ones after it run."""
+    def fail(_module, _args):
+        hook.remove()
+        raise exc
+
+    hook = model.get_decoder().register_forward_pre_hook(fail)
+
+
 def break_forward(model: torch.nn.Module, exc: BaseException, go: threading.Event) -> None:
     """Every later forward of `model` waits for `go`, then raises `exc`: the test decides when
     the engine meets the failure (break it after building the engine, which may run a forward).

@@ -283,6 +283,45 @@ async def test_failed_engine_request_gives_an_error_frame_and_the_next_one_works
     assert reasons == ["error", "length"]
 
 
+APOLOGY = "Sorry, I missed that. Could you say it again?"
+
+
+async def test_a_failed_request_speaks_the_error_reply_and_reports_its_error(
+    make_serving, tokenizer
+):
+    serving = make_serving(fail_first=True)
+    llm = _service(serving, tokenizer, error_reply=APOLOGY)
+
+    down, _ = await run_test(llm, frames_to_send=[_context("Hello")])
+
+    assert _replies(down) == [APOLOGY]
+    (stats,) = _engine_stats(down)
+    assert stats.finish_reason == "error" and "scripted failure" in stats.error
+
+
+async def test_a_refused_prompt_speaks_the_error_reply(make_serving, tokenizer):
+    serving = make_serving(max_context=64)
+    llm = _service(serving, tokenizer, error_reply=APOLOGY)
+
+    down, _ = await run_test(llm, frames_to_send=[_context("Hello, how can I help? " * 20)])
+
+    assert _replies(down) == [APOLOGY] and not serving.handles
+
+
+async def test_a_refused_prepared_prompt_holds_its_error_reply_for_the_turn(
+    make_serving, tokenizer
+):
+    serving = make_serving(max_context=64)
+    llm = _service(serving, tokenizer, error_reply=APOLOGY)
+    prepared = _prepared("Hello, how can I help? " * 20)
+
+    down, _ = await run_test(llm, frames_to_send=[prepared])
+
+    starts = [f for f in down if isinstance(f, LLMFullResponseStartFrame)]
+    assert [type(f) for f in starts] == [PreparedResponseStartFrame]
+    assert "".join(f.text for f in down if isinstance(f, LLMTextFrame)) == APOLOGY
+
+
 async def test_cancel_frame_cancels_the_engine_request(make_serving, tokenizer):
     serving = make_serving(hold_first=True)
     llm = _service(serving, tokenizer)

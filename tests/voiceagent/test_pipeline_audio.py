@@ -32,11 +32,13 @@ from pipecat.pipeline.worker import PipelineParams
 from pipecat.tests.utils import SleepFrame, run_test
 from piper import SynthesisConfig
 
+from audio import asr
 from audio.asr import StreamingTranscriber
 from audio.config import ASRConfig, TTSConfig, VADConfig
 from audio.wav import frames
 from tests.audio.speech import silence, speech
 from voiceagent.models import resolve
+from voiceagent.pipeline.frames import UserSpeechPausedFrame
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
 from voiceagent.pipeline.speech_worker import CRITICAL, SpeechWorker
 from voiceagent.pipeline.stt import StreamingWhisperSTTService, load_asr_model
@@ -325,3 +327,39 @@ async def test_an_interim_queued_behind_other_calls_work_gives_way_to_the_final(
     _, finals, metrics = stt_results(down)
     assert "france" in words(finals[0].text)
     assert not metrics[0].reused_interim and ran == []  # the queued interim never ran
+
+
+async def test_a_reply_is_prepared_on_the_cut_run_while_the_padded_run_settles_digits(whisper):
+    """With `digits_padded`: at a pause, an utterance holding digits is reported from the cheap
+    cut run at once, and the padded run it owes (audio.whisper_window) comes after that, not
+    before it."""
+
+    order: list[str] = []
+    padded = asr.transcribe_padded
+
+    def spied_padded(*args, **kwargs):
+        order.append("padded")
+        return padded(*args, **kwargs)
+
+    async def spied_eager(self, text, **kwargs):
+        order.append(f"eager: {text}")
+
+    stt = StreamingWhisperSTTService(
+        model=whisper, cfg=ASRConfig(interim_every_ms=60_000, digits_padded=True), prepare=True)
+    send = [
+        VADUserStartedSpeakingFrame(),
+        *audio_frames(speech("The order number is four eight two one three.")),
+        *audio_frames(silence(0.1)),
+        UserSpeechPausedFrame(),
+        SleepFrame(3.0),  # both runs finish before the stop
+        VADUserStoppedSpeakingFrame(stop_secs=0.1),
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(asr, "transcribe_padded", spied_padded)
+        patch.setattr(StreamingWhisperSTTService, "_push_eager_end_of_turn", spied_eager)
+        down, _ = await run_test(stt, frames_to_send=send)
+    _, finals, metrics = stt_results(down)
+    assert order[0].startswith("eager: ") and any(c.isdigit() for c in order[0]), order
+    assert order[1] == "padded" and order.count("padded") == 1, order
+    assert metrics[0].reused_interim  # the final is the pause's padded run
+    assert any(c.isdigit() for c in finals[0].text)

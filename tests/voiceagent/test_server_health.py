@@ -1,4 +1,5 @@
-"""`serve`'s health when the LLM engine's worker thread dies: /healthz and /metrics say so."""
+"""`serve`'s health when the LLM engine's worker thread dies: /healthz and /metrics say so, and
+a worker with restarts left serves again."""
 
 from __future__ import annotations
 
@@ -9,16 +10,47 @@ import threading
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.llm_engine.tiny_models import break_forward_once
 from tests.voiceagent.serving import server_config
 from tests.voiceagent.tiny_shared import tiny_shared
 from voiceagent.server.app import create_app
 from voiceagent.server.serve import DrainingServer, uvicorn_config
 
 
+def _samples(metrics_text: str) -> dict[str, float]:
+    return {s.name: s.value for family in text_string_to_metric_families(metrics_text)
+            for s in family.samples}
+
+
 def _worker_up(metrics_text: str) -> float:
-    samples = {s.name: s.value for family in text_string_to_metric_families(metrics_text)
-               for s in family.samples}
-    return samples["voiceagent_engine_worker_up"]
+    return _samples(metrics_text)["voiceagent_engine_worker_up"]
+
+
+async def test_a_dead_llm_worker_restarts_and_healthz_and_metrics_count_it(tmp_path):
+    shared = tiny_shared(restarts=2)
+    app = create_app(server_config(tmp_path), shared)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://127.0.0.1") as http:
+            break_forward_once(shared.llm.target.model, SystemExit("exit called mid-forward"))
+            prompt = shared.llm.target.tokenizer.encode("Hello")
+            failed = await asyncio.wait_for(shared.engine.generate(prompt), 5)
+            for _ in range(250):  # the backoff: 0.5 s
+                health = await http.get("/healthz")
+                if health.status_code == 200:
+                    break
+                await asyncio.sleep(0.02)
+            served = await asyncio.wait_for(shared.engine.generate(prompt), 10)
+            metrics = _samples((await http.get("/metrics")).text)
+    finally:
+        shared.close()
+    assert failed.finish_reason == "error" and served.error is None
+    assert health.json()["status"] == "ready"
+    assert health.json()["engine"] == {
+        "worker_restarts": 1, "last_death": "LLM engine worker died: SystemExit: exit called "
+                                            "mid-forward"}
+    assert metrics["voiceagent_engine_worker_restarts_total"] == 1
+    assert metrics["voiceagent_engine_worker_up"] == 1
 
 
 async def test_a_dead_llm_worker_makes_healthz_503_and_its_gauge_0(tmp_path):

@@ -106,6 +106,39 @@ async def test_the_pages_session_cookie_is_httponly_strict_and_not_the_token(tmp
     assert with_cookie.status_code == 200 and without.status_code == 401
 
 
+async def test_sign_in_attempts_are_limited_per_client_address(tmp_path):
+    app = create_app(server_config(tmp_path, "server.token=s3cret",
+                                   "server.session_attempts_per_min=3"))
+
+    def client(address: str) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=app, client=(address, 4000))
+        return httpx.AsyncClient(transport=transport, base_url=LOCAL)
+
+    async with client("203.0.113.7") as guesser, client("203.0.113.8") as other:
+        guesses = [await guesser.post("/api/session", json={"token": f"guess{i}"})
+                   for i in range(3)]
+        limited = await guesser.post("/api/session", json={"token": "s3cret"})
+        elsewhere = await other.post("/api/session", json={"token": "s3cret"})
+    assert [r.status_code for r in guesses] == [401, 401, 401]
+    assert limited.status_code == 429 and 1 <= int(limited.headers["retry-after"]) <= 60
+    assert "too many" in limited.json()["detail"]
+    assert elsewhere.status_code == 204
+
+
+async def test_sign_out_ends_the_session_for_every_copy_of_its_cookie(tmp_path):
+    app = create_app(server_config(tmp_path, "server.token=s3cret", "server.session_ttl_s=600"))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as http:
+        signed_in = await http.post("/api/session", json={"token": "s3cret"})
+        copy = {SESSION_COOKIE: http.cookies[SESSION_COOKIE]}
+        async with httpx.AsyncClient(transport=transport, base_url=LOCAL, cookies=copy) as other:
+            before = await other.get("/api/overview")
+            await http.delete("/api/session")
+            after = await other.get("/api/overview")
+    assert "Max-Age=600" in signed_in.headers["set-cookie"]
+    assert before.status_code == 200 and after.status_code == 401
+
+
 async def test_a_start_whose_token_is_a_lone_surrogate_is_closed_with_1008(tiny_server):
     _app, base = await tiny_server("server.token=s3cret")
     async with TwilioCaller(twilio_url(base), custom_parameters={"token": "\ud800"}) as caller:

@@ -15,9 +15,10 @@ from voiceagent.pipeline.builder import SharedModels
 
 
 def tiny_shared(break_on: threading.Event | None = None, method: str = "off",
-                eos: bool = True) -> SharedModels:
+                eos: bool = True, restarts: int = 0) -> SharedModels:
     """With `break_on`: the engine's forward raises SystemExit once it is set. `eos=False`: a
-    reply runs to its budget (a random model may end one at any token)."""
+    reply runs to its budget (a random model may end one at any token). `restarts`: the
+    engine worker's (`engine.worker_restarts`)."""
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer))
     config = EngineConfig(speculation=SpeculationConfig(method=method, gate=False))
@@ -30,4 +31,4 @@ def tiny_shared(break_on: threading.Event | None = None, method: str = "off",
         break_forward(model, SystemExit("exit called mid-forward"), break_on)
     llm = LLMRuntime(target, None, make_pair_card(target, None, config, target.param_bytes),
                      engine)
-    return SharedModels(llm=llm, engine=llm.serve())
+    return SharedModels(llm=llm, engine=llm.serve(restarts))

@@ -29,7 +29,13 @@ from voiceagent.logs import progress_bar
 from voiceagent.models import resolve
 from voiceagent.pipeline.stt import load_asr_model
 
-WINDOWS = ("padded", "speech")
+# Each variant's settings over the configured ASR: Whisper's 30 s window, the speech window,
+# and the speech window that redoes a run holding digits on the padded one.
+VARIANTS = {
+    "padded": {"window": "padded"},
+    "speech": {"window": "speech", "digits_padded": False},
+    "speech, digits padded": {"window": "speech", "digits_padded": True},
+}
 RATES = (0.8, 1.0, 1.3)  # Piper length_scale: fast, the voice's own, slow
 LEAD_S, TRAIL_S = 0.3, 0.5  # silence around the speech: the preroll and the VAD's hangover
 _NUMBERS = {w: str(i) for i, w in enumerate(
@@ -78,23 +84,25 @@ def run_asr_bench(cfg: Config, args) -> int:
             for rate in rates:
                 clip = np.concatenate([silence(LEAD_S), synthesize(voice, text, 16000, rate),
                                        silence(TRAIL_S)])
-                order = WINDOWS if i % 2 == 0 else WINDOWS[::-1]
-                for window in order:
-                    tr = StreamingTranscriber(whisper, replace(cfg.asr, window=window))
+                names = list(VARIANTS)
+                for variant in (names if i % 2 == 0 else names[::-1]):
+                    tr = StreamingTranscriber(whisper, replace(cfg.asr, **VARIANTS[variant]))
                     tr.feed(clip)
                     t0 = time.perf_counter()
                     heard = tr.final()
                     ms = (time.perf_counter() - t0) * 1000
                     ref = normalise(text)
-                    runs.append({"text": text, "rate": rate, "window": window, "ms": ms,
+                    runs.append({"text": text, "rate": rate, "variant": variant, "ms": ms,
                                  "audio_s": len(clip) / 16000, "heard": heard.text,
                                  "answered_by": heard.window, "fallback": heard.fallback,
                                  "words": len(ref),
-                                 "errors": word_errors(ref, normalise(heard.text))})
+                                 "errors": word_errors(ref, normalise(heard.text)),
+                                 "digits_wrong": _digits(ref) != _digits(normalise(heard.text))
+                                 if _digits(ref) else None})
                 bar.update()
     finally:
         bar.close()
-    summary = {w: summarise([r for r in runs if r["window"] == w]) for w in WINDOWS}
+    summary = {v: summarise([r for r in runs if r["variant"] == v]) for v in VARIANTS}
     stamp = utc_stamp()
     markdown = (f"# ASR benchmark\n\n- {stamp}, `{cfg.asr.model}`, {len(texts)} phrases x "
                 f"{len(rates)} rates (Piper `{cfg.tts.voice}`, length_scale "
@@ -106,14 +114,22 @@ def run_asr_bench(cfg: Config, args) -> int:
     return 0
 
 
+def _digits(words: list[str]) -> list[str]:
+    return [w for w in words if w.isdigit()]
+
+
 def summarise(runs: list[dict]) -> dict:
-    """Word error rate pooled over all words (errors / reference words), run time p50/p95, and
-    the share of runs the padded window answered."""
+    """Word error rate pooled over all words (errors / reference words), the clips with digits
+    whose digits were misheard, run time p50/p95, and the share of runs the padded window
+    answered."""
     words = sum(r["words"] for r in runs)
     ms = [r["ms"] for r in runs]
+    with_digits = [r for r in runs if r["digits_wrong"] is not None]
     return {
         "clips": len(runs),
         "wer": sum(r["errors"] for r in runs) / words if words else None,
+        "digit_clips": len(with_digits),
+        "digits_wrong": sum(r["digits_wrong"] for r in with_digits),
         "ms_p50": percentile(ms, 50), "ms_p95": percentile(ms, 95),
         "padded_share": sum(r["answered_by"] == "padded" for r in runs) / len(runs)
         if runs else None,
@@ -121,12 +137,13 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def render(summary: dict[str, dict]) -> str:
-    rows = ["| window | clips | word error | run p50 ms | run p95 ms | "
+    rows = ["| variant | clips | word error | digits misheard | run p50 ms | run p95 ms | "
             "answered by the padded run |",
-            "| --- | --: | --: | --: | --: | --: |"]
-    for window, s in summary.items():
+            "| --- | --: | --: | --: | --: | --: | --: |"]
+    for variant, s in summary.items():
         wer = "-" if s["wer"] is None else f"{100 * s['wer']:.1f}%"
         share = "-" if s["padded_share"] is None else f"{100 * s['padded_share']:.0f}%"
-        rows.append(f"| {window} | {s['clips']} | {wer} | {fmt(s['ms_p50'], 0)} | "
+        rows.append(f"| {variant} | {s['clips']} | {wer} | "
+                    f"{s['digits_wrong']} of {s['digit_clips']} | {fmt(s['ms_p50'], 0)} | "
                     f"{fmt(s['ms_p95'], 0)} | {share} |")
     return "\n".join(rows)

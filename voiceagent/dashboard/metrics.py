@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from voiceagent.dashboard.stats import turn_speculation
 from voiceagent.pipeline.turn_record import TurnRecord
@@ -85,10 +87,14 @@ class TurnMetrics:
               registry=self.registry).set_function(
             lambda: float("nan") if (ms := next_call_ms()) is None else ms / 1000)
 
-    def watch_engine(self, in_flight: Callable[[], int]) -> None:
+    def watch_engine(self, in_flight: Callable[[], int], restarts: Callable[[], int]) -> None:
         Gauge("voiceagent_engine_requests_in_flight",
               "LLM requests submitted and not yet ended (answers and prepared replies)",
               registry=self.registry).set_function(lambda: float(in_flight()))
+        self.registry.register(_CountedElsewhere(
+            "voiceagent_engine_worker_restarts",
+            "Times the LLM engine's worker died and served again (engine.worker_restarts)",
+            restarts))
 
     def watch_store(self, health: Callable[[], dict]) -> None:
         """The turn store's state (its write errors count as errors{kind="store_write"})."""
@@ -137,3 +143,13 @@ class TurnMetrics:
 
     def close(self) -> None:
         pass
+
+
+class _CountedElsewhere(Collector):
+    """A counter whose count lives in another object (the engine counts its own restarts)."""
+
+    def __init__(self, name: str, documentation: str, count: Callable[[], int]):
+        self.name, self.documentation, self.count = name, documentation, count
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.documentation, value=float(self.count()))

@@ -96,7 +96,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
             runtime.engine.keep_prefix(call_prefix(cfg, runtime.target.tokenizer, tools))
             return runtime
 
-        engine, llm = AsyncEngine.build(build)
+        engine, llm = AsyncEngine.build(build, restarts=cfg.engine.worker_restarts)
         shared = SharedModels(llm=llm, engine=engine)
     if tools and isinstance(shared.chat, EngineChat):
         progress(f"compiling the grammars of {len(tools)} tool(s) ...")
@@ -172,6 +172,7 @@ def build_call(
         tools=tools,
         max_tool_calls=cfg.agent.max_tool_calls,
         examples=cfg.agent.example_messages(),
+        error_reply=cfg.agent.error_reply,
     )
     register_tools(llm, tools, cfg.agent)
     pipeline = Pipeline([

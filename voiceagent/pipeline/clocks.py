@@ -250,7 +250,8 @@ def merged_stats(earlier: dict, later: dict) -> dict:
         setattr(b, name, [sum(pair) for pair in itertools.zip_longest(x, y, fillvalue=0)])
     b.gated_off = a.gated_off or b.gated_off
     return {**b.to_dict(), "request_id": later.get("request_id"),
-            "interrupted": later.get("interrupted")}
+            "interrupted": later.get("interrupted"),
+            "error": later.get("error") or earlier.get("error")}
 
 
 class ClocksObserver(BaseObserver):
@@ -496,9 +497,8 @@ class ClocksObserver(BaseObserver):
                 # A prepared reply may finish generating before its turn is confirmed.
                 turn = self._preparing if item.prepared and self._preparing else self._answering
                 if turn is not None:
-                    stats = dict(
-                        item.stats, request_id=item.request_id, interrupted=item.interrupted
-                    )
+                    stats = dict(item.stats, request_id=item.request_id,
+                                 interrupted=item.interrupted, error=item.error)
                     # A tool turn's requests are one turn's work.
                     merge = turn.engine and turn.tool_calls
                     turn.engine = merged_stats(turn.engine, stats) if merge else stats

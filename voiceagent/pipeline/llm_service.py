@@ -200,13 +200,15 @@ class SpeculativeLLMService(LLMService):
         tools: Sequence[Tool] = (),
         max_tool_calls: int = 1,
         examples: Sequence[dict[str, Any]] = (),
+        error_reply: str = "",
         **kwargs,
     ):
         """`sampling` and `method` override the engine config's; None keeps them. `context`: the
         call's conversation, for prefilling the caller's words while they speak (None: off).
         `tools`: what the model may call (their handlers are registered by tool_calls.py), at
         most `max_tool_calls` times a turn: then the reply must be words (a small model would
-        call again and again). `examples`: an example exchange after the system prompt."""
+        call again and again). `examples`: an example exchange after the system prompt.
+        `error_reply`: what the caller hears when a turn's request fails ("": nothing)."""
         # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
         # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
@@ -241,6 +243,7 @@ class SpeculativeLLMService(LLMService):
         self._tools = list(tools)
         self._max_tool_calls = max_tool_calls
         self._examples = list(examples)
+        self._error_reply = error_reply
         self._ending = False  # a tool ended the call: the next finished reply is the last
         # Tools that may run before the turn is confirmed (read-only ones), by name: each takes
         # a call's arguments and returns its result (tool_calls.py registers them).
@@ -420,6 +423,7 @@ class SpeculativeLLMService(LLMService):
                 ErrorCategory.APPLICATION if isinstance(exc, ValueError) else ErrorCategory.UNKNOWN
             )
             await self.push_error(f"LLM request refused: {exc}", exception=exc, category=category)
+            await self._apologise(prepared)
             return
         # No await from submit to here: an interruption cancels the process task at an await,
         # and must find the request registered, with its tasks.
@@ -446,6 +450,9 @@ class SpeculativeLLMService(LLMService):
                 if delta.text:
                     await self.stop_ttfb_metrics()
                     await self._push_llm_text(delta.text)
+            if (await request.handle.result()).finish_reason == "error" and self._error_reply:
+                # Never silent: the caller learns to say it again (the turn keeps its error).
+                await self._push_llm_text(self._error_reply)
         finally:
             if self._current is request:
                 self._current = None
@@ -462,6 +469,16 @@ class SpeculativeLLMService(LLMService):
         elif self._ending and completion.finish_reason != "error":
             # The goodbye is queued ahead of this frame: the pipeline ends once it is played.
             await self.push_frame(EndWorkerFrame(reason="a tool ended the call"))
+
+    async def _apologise(self, prepared: bool) -> None:
+        """The error reply for a request that never started; a prepared one is held until its
+        turn is confirmed, as its reply would have been."""
+        if not self._error_reply:
+            return
+        await self.push_frame(
+            PreparedResponseStartFrame() if prepared else LLMFullResponseStartFrame())
+        await self._push_llm_text(self._error_reply)
+        await self.push_frame(LLMFullResponseEndFrame())
 
     @staticmethod
     def _call(call: dict, context: LLMContext) -> FunctionCallFromLLM:
@@ -516,6 +533,7 @@ class SpeculativeLLMService(LLMService):
             stats=completion.stats.to_dict(),
             prepared=request.prepared,
             discarded=request.discarded,
+            error=completion.error,
         )
 
     async def _interrupt(self, push_end: bool) -> None:

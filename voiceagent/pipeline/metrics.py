@@ -20,6 +20,7 @@ class EngineStatsMetricsData(MetricsData):
     stats: dict
     prepared: bool = False  # started before the caller's turn was confirmed
     discarded: bool = False  # prepared, then withdrawn: nobody heard it
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 class HeldAudioMetricsData(MetricsData):

@@ -40,6 +40,7 @@ from pipecat.services.settings import STTSettings
 from pipecat.services.stt_service import STTService
 from pipecat.transcriptions.language import Language
 from pipecat.turns.eager_end_of_turn_mixin import EagerEndOfTurnSTTServiceMixin
+from pipecat.turns.user_stop import NormalizedMatch
 from pipecat.utils.time import time_now_iso8601
 
 from audio.asr import SAMPLE_RATE, StreamingTranscriber, Transcript
@@ -130,18 +131,33 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
 
     async def _transcribe_pause(self, utterance: StreamingTranscriber, pause_at: int,
                                 running: list[asyncio.Task], pause: int):
-        """The utterance up to the pause, as an eager end of turn (unless the caller went on)."""
+        """The utterance up to the pause, as an eager end of turn (unless the caller went on).
+
+        A cut run that holds digits owes the padded one (audio.whisper_window), which costs
+        about three cut runs: the reply is prepared on the cut run's words meanwhile, and
+        prepared again if the padded run hears otherwise (the turn end commits a prepared
+        reply only when the final transcript matches it)."""
         try:
             for task in running:
                 await task  # one model run at a time: two would share the same cores
             result = utterance.last_interim
-            if not utterance.covers(pause_at):
+            if result is None or result.samples < pause_at:
                 result = await self._transcribe(utterance.interim, priority=CRITICAL)
+            if result.owed:
+                await self._push_eager(utterance, pause, result.text)
+                guess = result.text
+                result = await self._transcribe(utterance.interim, True, priority=CRITICAL)
+                if _same_words(guess, result.text):
+                    return
         except Exception as e:
             await self.push_error(f"{self}: pause transcription failed: {e}", exception=e)
             return
-        if pause == self._pauses and utterance is self._utterance and result and result.text:
-            await self._push_eager_end_of_turn(result.text, user_id=self._user_id,
+        await self._push_eager(utterance, pause, result.text if result else "")
+
+    async def _push_eager(self, utterance: StreamingTranscriber, pause: int, text: str):
+        """An eager end of turn, if the pause it belongs to still stands."""
+        if pause == self._pauses and utterance is self._utterance and text:
+            await self._push_eager_end_of_turn(text, user_id=self._user_id,
                                                language=self._language())
 
     async def _handle_vad_user_started_speaking(self, frame: VADUserStartedSpeakingFrame):
@@ -279,6 +295,12 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
             if task is not None and not task.done():
                 await self.cancel_task(task)
         self._interim_task = self._pause_task = self._final_task = None
+
+
+def _same_words(a: str, b: str) -> bool:
+    """What turn detection's match sees (pipecat's NormalizedMatch): case and punctuation
+    aside."""
+    return NormalizedMatch().matches(a, b)
 
 
 def load_asr_model(cfg: ASRConfig):

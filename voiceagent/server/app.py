@@ -26,7 +26,7 @@ from voiceagent.config import Config
 from voiceagent.dashboard import routes as dashboard
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.server import openai_api, twilio, webrtc
-from voiceagent.server.auth import SESSION_COOKIE, require_token, session_value, token_ok
+from voiceagent.server.auth import SESSION_COOKIE, require_token, token_ok
 from voiceagent.server.guard import HostOriginGuard, json_object
 from voiceagent.server.state import ServerState, new_state
 
@@ -61,18 +61,27 @@ def create_app(
 
     @app.post("/api/session", status_code=204)
     async def open_session(request: Request, response: Response):
-        """The pages' login: the token in, an HttpOnly cookie out (never the token in a URL)."""
+        """The pages' login: the token in, an HttpOnly cookie out (never the token in a URL).
+        Tries are limited per client address (`server.session_attempts_per_min`)."""
         token = cfg.server.token
+        wait_s = state.sessions.retry_after(request.client.host if request.client else "-")
+        if wait_s:
+            raise HTTPException(429, "too many sign-in attempts: try again later",
+                                headers={"Retry-After": str(wait_s)})
         body = await json_object(request, cfg.server.max_message_bytes)
         if token and not token_ok(token, body.get("token")):
             raise HTTPException(401, "unauthorized: wrong token")
         if token:
             https = request.headers.get("x-forwarded-proto", request.url.scheme) == "https"
-            response.set_cookie(SESSION_COOKIE, session_value(token), httponly=True,
-                                samesite="strict", secure=https, max_age=12 * 3600)
+            response.set_cookie(SESSION_COOKIE, state.sessions.issue(token), httponly=True,
+                                samesite="strict", secure=https,
+                                max_age=int(cfg.server.session_ttl_s))
 
     @app.delete("/api/session", status_code=204)
-    async def close_session(response: Response):
+    async def close_session(request: Request, response: Response):
+        """Sign-out: the session ends here, not only in this browser's cookie jar."""
+        if cfg.server.token:
+            state.sessions.revoke(cfg.server.token, request.cookies.get(SESSION_COOKIE))
         response.delete_cookie(SESSION_COOKIE)
 
     @app.post("/admin/drain", status_code=202, dependencies=[Depends(require_token)])
@@ -98,7 +107,8 @@ def create_app(
                     "calls": len(state.calls.active), "max_calls": state.calls.max_calls,
                     "admission": state.admission.headroom(
                         len(state.calls.active), state.calls.max_calls),
-                    "store": store, "llm": {"backend": cfg.llm.backend, "last_error": llm_error}}
+                    "store": store, "llm": {"backend": cfg.llm.backend, "last_error": llm_error},
+                    "engine": _engine_health(state.shared.engine)}
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 503)
         return JSONResponse({"status": "loading", "step": state.loading_step}, 503)
@@ -114,6 +124,14 @@ def create_app(
     app.include_router(openai_api.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
+
+
+def _engine_health(engine) -> dict | None:
+    """The in-process engine's worker: how often it died and served again, and why it last
+    died (None: a remote LLM)."""
+    if engine is None:
+        return None
+    return {"worker_restarts": engine.restarts_done, "last_death": engine.last_death}
 
 
 def _start_loading(state: ServerState, loop: asyncio.AbstractEventLoop, on_failed) -> None:

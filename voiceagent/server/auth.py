@@ -4,8 +4,8 @@ The token (config `server.token` or env VOICEAGENT_TOKEN) is read from `Authoriz
 or, for Twilio, the stream's `customParameters.token`: Twilio's `<Stream>` URL may not carry a
 query string, so TwiML passes it as a `<Parameter>`. It is never read from a URL: URLs end up in
 access logs and browser history. The pages trade it once (`POST /api/session`) for an HttpOnly,
-SameSite=Strict cookie that holds an HMAC of the token, not the token, and that their fetches,
-EventSource and WebSocket requests then carry.
+SameSite=Strict cookie that never holds the token and expires (`voiceagent.server.sessions`),
+and that their fetches, EventSource and WebSocket requests then carry.
 
 Twilio signs the WebSocket upgrade with X-Twilio-Signature, an HMAC of the URL it requested under
 the account's auth token (https://www.twilio.com/docs/usage/security); twilio's RequestValidator
@@ -15,7 +15,6 @@ names it.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 
@@ -61,11 +60,6 @@ def token_ok(expected: str | None, presented: object) -> bool:
     return isinstance(presented, str) and hmac.compare_digest(_bytes(expected), _bytes(presented))
 
 
-def session_value(token: str) -> str:
-    """The cookie's value: derived from the token, so the cookie jar never holds the token."""
-    return hmac.new(_bytes(token), b"voiceagent-session-v1", hashlib.sha256).hexdigest()
-
-
 def authorized(conn: HTTPConnection, expected: str | None, extra: object = None) -> bool:
     """The bearer token (or `extra`) when one is presented, else the session cookie."""
     if not expected:
@@ -73,7 +67,7 @@ def authorized(conn: HTTPConnection, expected: str | None, extra: object = None)
     presented = presented_token(conn, extra)
     if presented is not None:
         return token_ok(expected, presented)
-    return token_ok(session_value(expected), conn.cookies.get(SESSION_COOKIE))
+    return conn.app.state.server.sessions.valid(expected, conn.cookies.get(SESSION_COOKIE))
 
 
 def require_token(request: Request) -> None:

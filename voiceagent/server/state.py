@@ -20,6 +20,7 @@ from voiceagent.pipeline.records import TurnRecords
 from voiceagent.server.ab import OffHoldout
 from voiceagent.server.admission import Admission
 from voiceagent.server.calls import ActiveCall, CallRegistry
+from voiceagent.server.sessions import Sessions
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ServerState:
     api_handles: set = field(default_factory=set)  # /v1 requests in flight
     holdout: OffHoldout | None = None  # the A/B baseline (server.ab_off_share)
     admission: Admission | None = None  # new calls by measured load (`server.admit_clock3_ms`)
+    sessions: Sessions | None = None  # the pages' sign-in (`server.session_ttl_s`)
     # How a drain stops the process once its calls are over (`serve` sets it); None: it stays up.
     request_exit: Callable[[], None] | None = None
     drain_task: asyncio.Task | None = None
@@ -48,6 +50,9 @@ class ServerState:
     def __post_init__(self) -> None:
         if self.holdout is None:
             self.holdout = OffHoldout(self.cfg.server.ab_off_share)
+        if self.sessions is None:
+            server = self.cfg.server
+            self.sessions = Sessions(server.session_ttl_s, server.session_attempts_per_min)
 
     @property
     def ready(self) -> bool:
@@ -122,8 +127,11 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
     metrics.watch_admission(lambda: admission.predicted_p95_ms(len(calls.active) + 1))
     store = open_store(cfg, on_error=lambda _error: metrics.errors.labels("store_write").inc())
     metrics.watch_store(store.health)
-    metrics.watch_engine(
-        lambda: state.shared.engine.in_flight if state.shared and state.shared.engine else 0)
+    def engine():
+        return state.shared.engine if state.shared else None
+
+    metrics.watch_engine(lambda: engine().in_flight if engine() else 0,
+                         lambda: engine().restarts_done if engine() else 0)
     state = ServerState(cfg, calls, store, events, metrics,
                         TurnRecords([store, events, metrics, admission]), shared=shared,
                         admission=admission)
