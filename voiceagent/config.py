@@ -97,6 +97,9 @@ class ServerConfig(BaseModel):
     ice_servers: list[IceServerConfig] = Field(default_factory=list)
     close_timeout_s: float = Field(3.0, gt=0)  # waiting for a close handshake, after cancelling
     start_timeout_s: float = Field(5.0, gt=0)  # a Twilio socket must send `start` within this
+    # A browser call's peer connection must connect within this after its offer, or the call
+    # ends and its slot is free (an offer whose ICE never completes would hold it until idle).
+    connect_timeout_s: float = Field(15.0, gt=0)
     max_handshakes_per_client: int = Field(4, ge=1)  # Twilio sockets waiting for `start`, per IP
     # Media: one Twilio payload at most this many μ-law bytes (Twilio sends 160: 20 ms), and no
     # faster than `max_media_speed` x real time beyond a burst of `media_burst_s` seconds.

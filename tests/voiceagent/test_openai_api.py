@@ -51,6 +51,17 @@ async def test_models_lists_the_target_and_needs_the_token(tiny_api):
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
 
 
+async def test_a_body_that_is_not_json_or_a_wrong_method_gets_openais_error_shape(tiny_api):
+    _app, http = tiny_api
+    garbled = await http.post("/v1/chat/completions", content=b"{not json")
+    wrong = await http.delete("/v1/chat/completions")
+    assert garbled.status_code == 400
+    assert garbled.json()["error"] == {"message": "body is not JSON", "code": None,
+                                       "type": "invalid_request_error", "param": None}
+    assert wrong.status_code == 405 and wrong.json()["error"]["message"] == "Method Not Allowed"
+    assert wrong.headers["allow"] == "POST"
+
+
 async def test_a_completion_has_openai_shape_usage_and_the_engine_stats(tiny_api):
     _app, http = tiny_api
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 5, "temperature": 0}

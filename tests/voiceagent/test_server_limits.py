@@ -163,3 +163,25 @@ async def test_waiting_for_idle_slots_returns_once_the_last_call_is_released():
     asyncio.get_running_loop().call_later(0.1, registry.release, call)
     await asyncio.wait_for(registry.wait_idle(5), 1)
     assert not registry.active
+
+
+async def test_a_browser_call_that_never_connects_frees_its_slot(tmp_path, models):
+    """An offer whose peer never completes ICE (its page closed, a firewall) holds a slot only
+    until `connect_timeout_s`, not until the idle timeout."""
+    import httpx
+    from aiortc import RTCPeerConnection
+
+    cfg = server_config(tmp_path, "server.connect_timeout_s=1", "server.idle_timeout_s=60")
+    async with serving(cfg, models) as (app, base):
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio", direction="sendrecv")
+        await pc.setLocalDescription(await pc.createOffer())
+        async with httpx.AsyncClient(base_url=base) as http:
+            answer = await http.post("/api/offer", json={"sdp": pc.localDescription.sdp,
+                                                         "type": "offer"})
+        await pc.close()  # the answer is never applied: no ICE, no DTLS
+        calls = app.state.server.calls
+        held = len(calls.active)
+        freed = await until(lambda: not calls.active, 1 + 3)
+    assert answer.status_code == 200 and held == 1
+    assert freed

@@ -21,11 +21,13 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from loguru import logger
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from voiceagent.config import Config
 from voiceagent.dashboard import routes as dashboard
 from voiceagent.pipeline.builder import SharedModels, load_shared
 from voiceagent.server import openai_api, twilio, webrtc
+from voiceagent.server.api_schema import install_openapi
 from voiceagent.server.auth import SESSION_COOKIE, require_token, token_ok
 from voiceagent.server.guard import HostOriginGuard, json_object
 from voiceagent.server.state import ServerState, new_state
@@ -56,6 +58,7 @@ def create_app(
             state.shared.close()
 
     app = FastAPI(title="voiceagent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_openapi(app)
     app.state.server = state
     app.add_middleware(HostOriginGuard, cfg=cfg.server)
 
@@ -122,6 +125,7 @@ def create_app(
     app.include_router(webrtc.router)
     app.include_router(twilio.router)
     app.include_router(openai_api.router)
+    app.add_exception_handler(StarletteHTTPException, openai_api.http_error)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
 

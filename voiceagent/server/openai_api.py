@@ -30,8 +30,10 @@ import uuid
 from typing import Literal
 
 from fastapi import APIRouter, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llm_engine.config import GrammarSpec, SamplingConfig
 from llm_engine.grammar import check_spec
@@ -148,6 +150,23 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind,
                                        "param": self.param, "code": self.code}}, self.status)
+
+
+def _kind(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    return {401: "authentication_error", 404: "not_found_error",
+            429: "rate_limit_error"}.get(status, "server_error" if status >= 500
+                                         else "invalid_request_error")
+
+
+async def http_error(request: Request, exc: StarletteHTTPException):
+    """Errors raised before or around a /v1 handler (a body that is not JSON, a method the route
+    does not take) in OpenAI's error shape, which its clients parse; elsewhere FastAPI's."""
+    if not request.url.path.startswith("/v1/"):
+        return await http_exception_handler(request, exc)
+    response = APIError(exc.status_code, str(exc.detail), _kind(exc.status_code)).response()
+    response.headers.update(exc.headers or {})
+    return response
 
 
 def _server(request: Request) -> ServerState:

@@ -234,9 +234,17 @@ def _start_call(server: ServerState, call: ActiveCall, connection: SmallWebRTCCo
     async def _gone(_transport, _connection):
         await pipeline.task.cancel()
 
+    async def connected_or_ended() -> None:
+        await asyncio.sleep(limits.connect_timeout_s)
+        if not connection.is_connected() and not call.runner.done():
+            logger.info(f"webrtc call {call.call_id}: the peer did not connect within "
+                        f"{limits.connect_timeout_s:g} s; ending it")
+            await pipeline.task.cancel()
+
     call.task = pipeline.task
     call.runner = asyncio.get_running_loop().create_task(
         server.calls.run(call, pipeline.task, pipeline.clocks.flush))
+    server.calls.spawn(connected_or_ended())
 
 
 def turn_message(record: TurnRecord) -> dict:

@@ -1,0 +1,91 @@
+"""Every HTTP route fuzzed from the app's own OpenAPI document with schemathesis: generated
+query strings, path parameters and bodies (valid and invalid ones) against a real `voiceagent
+serve` with the embedded models. No answer is a server error (a documented 503 with Retry-After,
+all call slots taken by the fuzz's own offers, is a refusal), every refusal has the documented
+error shape, and the server logs no unhandled exception.
+
+Not here: `GET /api/events` (a stream that never ends by design; test_dashboard_api covers it)
+and `POST /admin/drain` (it stops the server; test_server_health covers it).
+
+CI runs a few examples a route (`FUZZ_EXAMPLES`, default 15). A long fuzz:
+`FUZZ_EXAMPLES=1000 .venv/bin/python -m pytest tests/voiceagent/test_api_fuzz.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from tests.voiceagent.server_proc import running_server
+from tests.voiceagent.serving import server_config
+from voiceagent.server.app import create_app
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))
+TOKEN = "fuzz-token"
+NOT_FUZZED = r"^/(api/events|admin/drain)$"
+BODIES = [("/api/session", "post"), ("/api/offer", "post"), ("/api/offer", "patch"),
+          ("/v1/chat/completions", "post")]
+# What a log line of an unhandled exception starts with: Python's traceback, loguru's and
+# uvicorn's "Exception in ASGI application".
+UNHANDLED = re.compile(r"^Traceback|Exception in ASGI application|\| ERROR +\| .*Traceback",
+                       re.MULTILINE)
+
+
+def _document() -> dict:
+    """The app's OpenAPI document, from an app that serves nothing (no models, no lifespan)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        app = create_app(server_config(tmp))
+        try:
+            return app.openapi()
+        finally:
+            app.state.server.records.close()
+
+
+schema = schemathesis.openapi.from_dict(_document())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, log file) of a real server with the token set."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    log = tmp / "serve.log"
+    with running_server("--set", f"server.token={TOKEN}", "--set", f"paths.runs_dir={tmp}",
+                        log_path=log) as base:
+        yield base, log
+
+
+@schema.exclude(path_regex=NOT_FUZZED).parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_route_answers_generated_input_with_a_server_error(case, server):
+    base, _log = server
+    response = case.call(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"},
+                         timeout=60)
+    if response.status_code == 503 and "retry-after" in response.headers:
+        # documented: every call slot taken (the fuzz's offers start calls), or loading
+        assert "busy" in response.json()["detail"] or "loading" in response.json()["detail"]
+        return
+    case.validate_response(response, checks=[not_a_server_error])
+    if 400 <= response.status_code < 500:
+        body = response.json()
+        if case.path.startswith("/v1/"):  # OpenAI's shape, what its clients parse
+            assert isinstance(body["error"]["message"], str), body
+        else:
+            assert isinstance(body["detail"], str | list), body
+
+
+def test_the_fuzzed_server_logged_no_unhandled_exception(server):
+    _base, log = server
+    text = log.read_text(errors="replace")
+    assert not UNHANDLED.search(text), text[-4000:]
+
+
+def test_the_document_describes_every_request_body():
+    for path, method in BODIES:
+        body = schema.raw_schema["paths"][path][method]["requestBody"]["content"]
+        assert body["application/json"]["schema"]["$ref"].startswith("#/components/schemas/")
