@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from audio.config import ASRConfig, TTSConfig, VADConfig
 from llm_engine.config import EngineConfig
@@ -214,6 +214,20 @@ class LLMConfig(BaseModel):
     # Prometheus text of the remote, for vLLM's speculation counters; None: <base_url root>/metrics.
     metrics_url: str | None = None
     timeout_s: float = Field(30.0, gt=0)  # connect and first-byte timeout of one request
+    # What serves a request when this backend fails before its first token or gives none within
+    # `first_token_timeout_s` (`voiceagent.pipeline.failover`): another OpenAI-compatible server
+    # (`backend: openai` and its `base_url`...) or the in-process engine (`backend: engine`).
+    fallback: LLMConfig | None = None
+    first_token_timeout_s: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_fallback(self) -> LLMConfig:
+        if self.fallback is not None:
+            if self.fallback.fallback is not None:
+                raise ValueError("llm.fallback has a fallback of its own: one is the limit")
+            if self.fallback.backend == self.backend == "engine":
+                raise ValueError("llm.fallback is the in-process engine, as is llm.backend")
+        return self
 
 
 class PathsConfig(BaseModel):

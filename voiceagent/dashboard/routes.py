@@ -48,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voiceagent.dashboard.events import EventStream
 from voiceagent.dashboard.stats import facets, matching, overview, speculation, turn_speculation
+from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.urls import redact
 
@@ -242,6 +243,10 @@ async def api_backend(request: Request):
         raise HTTPException(503, "models still loading")
     chat = server.shared.chat
     info = {"backend": server.cfg.llm.backend, "model": chat.model, "name": chat.name}
+    if isinstance(chat, FailoverChat):
+        info["fallback"] = {"name": chat.fallback.name, "model": chat.fallback.model,
+                            "served": chat.failovers}
+        chat = chat.primary
     if isinstance(chat, RemoteChat):
         info.update(base_url=redact(chat.cfg.base_url),
                     metrics_url=chat.metrics_url and redact(chat.metrics_url),

@@ -37,13 +37,14 @@ from pipecat.transports.base_transport import BaseTransport
 
 from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
-from voiceagent.config import Config, TurnConfig
+from voiceagent.config import Config, LLMConfig, TurnConfig
 from voiceagent.llm_setup import LLMRuntime, build_runtime
 from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat, ToolUse
 from voiceagent.pipeline.clocks import ClocksObserver
+from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
-from voiceagent.pipeline.remote_llm import connect
+from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.pipeline.speech_models import SpeechModels
 from voiceagent.pipeline.stt import make_stt
 from voiceagent.pipeline.tool_calls import register_tools
@@ -86,10 +87,9 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     checked (it answers, it serves the model) instead of loaded. The configured tools are
     imported first: a bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)
-    if cfg.llm.backend == "openai":
-        progress(f"connecting to the LLM server at {redact(cfg.llm.base_url or '')} ...")
-        shared = SharedModels(llm=None, engine=None, chat=connect(cfg.llm, cfg.engine.sampling))
-    else:
+    fallback = cfg.llm.fallback
+    engine = llm = None
+    if "engine" in (cfg.llm.backend, fallback and fallback.backend):
         def build() -> LLMRuntime:
             runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
             progress("prefilling the system prompt once for every call's first turn ...")
@@ -97,12 +97,22 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
             return runtime
 
         engine, llm = AsyncEngine.build(build, restarts=cfg.engine.worker_restarts)
-        shared = SharedModels(llm=llm, engine=engine)
-    if tools and isinstance(shared.chat, EngineChat):
-        progress(f"compiling the grammars of {len(tools)} tool(s) ...")
-        schemas = [t.schema for t in tools]
-        shared.chat.prepare_tools([ToolUse(schemas), SpeculativeLLMService.answer_tools(schemas),
-                                   *(ToolUse(schemas, (t.name,)) for t in tools if t.triggers)])
+    try:
+        local = EngineChat(engine, llm.target.tokenizer) if engine is not None else None
+        if tools and local is not None:
+            progress(f"compiling the grammars of {len(tools)} tool(s) ...")
+            schemas = [t.schema for t in tools]
+            local.prepare_tools([ToolUse(schemas), SpeculativeLLMService.answer_tools(schemas),
+                                 *(ToolUse(schemas, (t.name,)) for t in tools if t.triggers)])
+        chat = local if cfg.llm.backend == "engine" else _remote(cfg.llm, cfg, progress)
+        if fallback is not None:
+            second = local if fallback.backend == "engine" else _remote(fallback, cfg, progress)
+            chat = FailoverChat(chat, second, cfg.llm.first_token_timeout_s)
+    except BaseException:
+        if engine is not None:
+            engine.close()
+        raise
+    shared = SharedModels(llm=llm, engine=engine, chat=chat)
     try:
         shared.speech = SpeechModels.load(cfg, progress)
     except BaseException:
@@ -132,6 +142,20 @@ class CallPipeline:
     clocks: ClocksObserver
     context: LLMContext
     llm: SpeculativeLLMService
+
+
+def _remote(llm: LLMConfig, cfg: Config, progress: Callable[[str], None]) -> RemoteChat:
+    """A checked client of a remote server. A primary with a fallback that does not answer now
+    may answer later: with `llm.model` set, it is used unchecked (the fallback serves until it
+    answers)."""
+    progress(f"connecting to the LLM server at {redact(llm.base_url or '')} ...")
+    try:
+        return connect(llm, cfg.engine.sampling)
+    except RemoteLLMError as exc:
+        if llm is not cfg.llm or cfg.llm.fallback is None or not llm.model or not llm.base_url:
+            raise
+        progress(f"warning: {exc}; starting with it unchecked: llm.fallback serves meanwhile")
+        return RemoteChat(llm, llm.model, llm.name or "remote", cfg.engine.sampling)
 
 
 def build_call(
