@@ -16,12 +16,12 @@ from voiceagent.dashboard.store import SCHEMA, SQLTurnStore
 class SQLiteTurnStore(SQLTurnStore):
     transient = (sqlite3.OperationalError,)  # locked, busy, disk full, I/O
     errors = (sqlite3.Error,)
+    busy_timeout_s = 30.0  # how long a write waits for another writer's lock
 
     def __init__(self, path: str | Path, transcripts: bool = True, max_queue: int = 10_000,
                  retention_days: float | None = None,
                  on_error: Callable[[str], None] | None = None):
         self.path = Path(path).expanduser()
-        self.busy_timeout_s = 30.0  # how long a write waits for another writer's lock
         super().__init__(str(self.path), self.path, transcripts, max_queue, retention_days,
                          on_error)
 

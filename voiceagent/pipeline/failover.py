@@ -5,7 +5,7 @@ in-process engine) serves that request from the start. The caller hears a reply 
 instead of nothing for `llm.timeout_s`.
 
 A request that has begun to speak stays with the primary: its text cannot be taken back. After
-a failure the primary is skipped for `RETRY_PRIMARY_S` (a circuit breaker), so the turns that
+a failure the primary is skipped for `retry_primary_s` (a circuit breaker), so the turns that
 follow do not each wait out the timeout; then the next request tries it again. Each request's
 stats carry the method of the backend that served it, which is what the dashboard shows for the
 turn.
@@ -30,11 +30,15 @@ RETRY_PRIMARY_S = 30.0  # after a failover, the primary is tried again this much
 class FailoverChat:
     """`ChatBackend` over a primary and a fallback backend."""
 
-    def __init__(self, primary: ChatBackend, fallback: ChatBackend, first_token_timeout_s: float):
+    def __init__(self, primary: ChatBackend, fallback: ChatBackend, first_token_timeout_s: float,
+                 retry_primary_s: float = RETRY_PRIMARY_S):
         self.primary, self.fallback = primary, fallback
         self.first_token_timeout_s = first_token_timeout_s
+        self.retry_primary_s = retry_primary_s
         self.failovers = 0  # requests the fallback served
         self.skip_primary_until = 0.0  # time.monotonic(): the breaker is open until then
+        self.primary_error: str | None = None  # why the primary last failed over; None once it
+        # serves again
 
     @property
     def model(self) -> str:
@@ -46,8 +50,9 @@ class FailoverChat:
 
     @property
     def last_error(self) -> str | None:
-        """The primary's last failure (`/healthz` says degraded while it stands)."""
-        return getattr(self.primary, "last_error", None)
+        """Why the primary last failed, until it serves again (`/healthz` says degraded while
+        it stands): a hang cancelled by the timeout is a failure here, not on the primary."""
+        return self.primary_error or getattr(self.primary, "last_error", None)
 
     def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
                session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
@@ -104,11 +109,13 @@ class FailoverHandle(DeltaStream):
                     return completion  # e.g. a tool call, which streams no text
                 self.failover = completion.error or "the primary failed"
             else:
+                self._chat.primary_error = None
                 self._queue.put_nowait(first)
                 return await self._forward(primary)
         self._chat.failovers += 1
         if primary is not None:  # it failed just now: skip it for a while
-            self._chat.skip_primary_until = time.monotonic() + RETRY_PRIMARY_S
+            self._chat.skip_primary_until = time.monotonic() + self._chat.retry_primary_s
+            self._chat.primary_error = self.failover
         logger.warning(f"LLM primary failed before its first token ({self.failover}): "
                        f"the fallback ({self._chat.fallback.name}) serves this request")
         self._current = self._chat.fallback.submit(*self._request)
