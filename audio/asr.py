@@ -151,7 +151,8 @@ class StreamingTranscriber:
                                         self.cfg.window_margin_ms, self.cfg.window_min_ms,
                                         self.cfg.digits_padded, settle)
             else:
-                # An interim already heard digits: the cut run would only give way again.
+                # The padded window, or an interim already heard digits (`digits_padded`): a cut
+                # run would only give way again.
                 run = WhisperRun(transcribe_padded(self.model, samples, language,
                                                    self.cfg.beam_size), "padded", owed)
         return Transcript(run.text, len(audio), model_ms=(time.perf_counter() - t0) * 1000,
