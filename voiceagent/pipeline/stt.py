@@ -134,9 +134,9 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         """The utterance up to the pause, as an eager end of turn (unless the caller went on).
 
         With `asr.digits_padded`, a cut run that holds digits owes the padded one
-        (audio.whisper_window), which costs about three cut runs: the reply is prepared on the cut run's words meanwhile, and
-        prepared again if the padded run hears otherwise (the turn end commits a prepared
-        reply only when the final transcript matches it)."""
+        (audio.whisper_window), which costs about three cut runs: the reply is prepared on the
+        cut run's words meanwhile, and prepared again if the padded run hears otherwise (the
+        turn end commits a prepared reply only when the final transcript matches it)."""
         try:
             for task in running:
                 await task  # one model run at a time: two would share the same cores
