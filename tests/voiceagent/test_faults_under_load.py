@@ -44,17 +44,21 @@ class Proxy:
         self.upstream_port = upstream_port
         self.hang = False
         self.server: asyncio.Server | None = None
+        self.handlers: set[asyncio.Task] = set()
 
     async def start(self) -> int:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return self.server.sockets[0].getsockname()[1]
 
     async def _serve(self, reader, writer) -> None:
+        self.handlers.add(asyncio.current_task())
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer),
-                             return_exceptions=True)
-        for w in (writer, up_writer):
-            w.close()
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer),
+                                 return_exceptions=True)
+        finally:
+            for w in (writer, up_writer):
+                w.close()
 
     async def _pipe(self, reader, writer) -> None:
         while data := await reader.read(65536):
@@ -63,8 +67,11 @@ class Proxy:
             writer.write(data)
             await writer.drain()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.server.close()
+        for task in self.handlers:
+            task.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
 
 
 async def _turn(callers: list[TwilioCaller], app) -> dict:
@@ -139,7 +146,8 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
                 refused = await _health(http)
                 lock.rollback()
                 lock.close()
-                assert store.flush(20)
+                # Off the event loop: the calls' media keep flowing while the store catches up.
+                assert await asyncio.to_thread(store.flush, 20)
                 table.append(("store refuses writes", during, refused, await _health(http)))
 
                 # 3. the remote LLM hangs
@@ -156,11 +164,11 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
                     await caller.hang_up()
                     await caller.__aexit__(None, None, None)
                 await app.state.server.calls.wait_idle(20)
-                assert store.flush(20)
+                assert await asyncio.to_thread(store.flush, 20)
                 kept = [r for turns in app.state.server.records.by_call.values() for r in turns]
                 stored = store.turns()
         finally:
-            proxy.close()
+            await proxy.close()
     print("\n| fault | callers who heard a reply | apologies | /healthz | note |")
     for fault, turn, health, note in table:
         print(f"| {fault} | {turn['heard']} of {CALLS} | {turn['apologies']} | {health} | "
