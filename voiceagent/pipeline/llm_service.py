@@ -259,9 +259,11 @@ class SpeculativeLLMService(LLMService):
         """The run a prepared reply started for this call, if any; the handler awaits it."""
         return self._early.pop(tool_call_id, None)
 
-    async def say_reply(self, text: str) -> None:
-        """Speak `text` as the reply, as if the model had written it (a tool's template)."""
-        await self.push_frame(LLMFullResponseStartFrame())
+    async def say_reply(self, text: str, prepared: bool = False) -> None:
+        """Speak `text` as the reply, as if the model had written it (a tool's template, the
+        error reply); a `prepared` one is held until its turn is confirmed."""
+        await self.push_frame(
+            PreparedResponseStartFrame() if prepared else LLMFullResponseStartFrame())
         await self._push_llm_text(text)
         await self.push_frame(LLMFullResponseEndFrame())
 
@@ -423,7 +425,8 @@ class SpeculativeLLMService(LLMService):
                 ErrorCategory.APPLICATION if isinstance(exc, ValueError) else ErrorCategory.UNKNOWN
             )
             await self.push_error(f"LLM request refused: {exc}", exception=exc, category=category)
-            await self._apologise(prepared)
+            if self._error_reply:  # the request never started: say it as a reply of its own
+                await self.say_reply(self._error_reply, prepared)
             return
         # No await from submit to here: an interruption cancels the process task at an await,
         # and must find the request registered, with its tasks.
@@ -469,16 +472,6 @@ class SpeculativeLLMService(LLMService):
         elif self._ending and completion.finish_reason != "error":
             # The goodbye is queued ahead of this frame: the pipeline ends once it is played.
             await self.push_frame(EndWorkerFrame(reason="a tool ended the call"))
-
-    async def _apologise(self, prepared: bool) -> None:
-        """The error reply for a request that never started; a prepared one is held until its
-        turn is confirmed, as its reply would have been."""
-        if not self._error_reply:
-            return
-        await self.push_frame(
-            PreparedResponseStartFrame() if prepared else LLMFullResponseStartFrame())
-        await self._push_llm_text(self._error_reply)
-        await self.push_frame(LLMFullResponseEndFrame())
 
     @staticmethod
     def _call(call: dict, context: LLMContext) -> FunctionCallFromLLM:
