@@ -22,16 +22,23 @@ def load_whisper(model_dir: str | Path, device: str = "auto", compute_type: str 
 
 def load_piper(onnx_path: str | Path, use_cuda: bool = False, cpu_threads: int = 0):
     """`cpu_threads`: onnxruntime's intra-op threads on a CPU; 0 keeps its default (one per
-    core)."""
+    core).
+
+    On a CPU the session runs without onnxruntime's memory arena: Piper's buffers are as long as
+    each phrase, and the arena kept the largest it had seen, fragmented, and grew by doubling
+    (+550 MB of RSS over the first calls of a soak, never returned; without it RSS stays flat).
+    Without it a short phrase costs a few ms more (docs/BENCHMARKS.md, "Memory")."""
     from piper import PiperVoice
 
     voice = PiperVoice.load(str(onnx_path), use_cuda=use_cuda)
-    if cpu_threads > 0 and not use_cuda:
+    if not use_cuda:
         import onnxruntime
 
         # PiperVoice.load takes no session options: rebuild its session with ours.
         options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = cpu_threads
+        options.enable_cpu_mem_arena = False
+        if cpu_threads > 0:
+            options.intra_op_num_threads = cpu_threads
         voice.session = onnxruntime.InferenceSession(
             str(onnx_path), sess_options=options, providers=["CPUExecutionProvider"])
     return voice

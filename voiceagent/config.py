@@ -92,6 +92,10 @@ class ServerConfig(BaseModel):
     drain_timeout_s: float = Field(300.0, ge=0)
     # A peer that has not read what we sent for this long has lost its call.
     send_timeout_s: float = Field(10.0, gt=0)
+    # The kernel's send buffer per connection (SO_SNDBUF; Linux doubles it). Autotuned, it grows
+    # to 4 MB, which holds minutes of a call's audio: a peer that stopped reading would be noticed
+    # only then. 0: the kernel's autotuning.
+    send_buffer_bytes: int = Field(64 * 1024, ge=0)
     # STUN/TURN servers for browser calls: GET /api/ice gives them to the page, and the server's
     # peer connections use them too. []: host candidates only (same network or loopback).
     ice_servers: list[IceServerConfig] = Field(default_factory=list)

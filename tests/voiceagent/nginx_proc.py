@@ -114,7 +114,7 @@ def render(*, host: str, tls_port: int, http_port: int, upstreams: tuple[int, in
     """The shipped snippet with the values an operator edits replaced, listening on loopback."""
     conf = CONF.read_text()
     swaps = {
-        "listen 443 ssl;": f"listen 127.0.0.1:{tls_port} ssl;",
+        "listen 443 ssl sndbuf=64k;": f"listen 127.0.0.1:{tls_port} ssl sndbuf=64k;",
         "listen 80;": f"listen 127.0.0.1:{http_port};",
         "server 127.0.0.1:7861;": f"server 127.0.0.1:{upstreams[0]};",
         "server 127.0.0.1:7862;": f"server 127.0.0.1:{upstreams[1]};",

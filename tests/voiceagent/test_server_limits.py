@@ -4,20 +4,24 @@ reading lose their slot within the configured bound, and the last turn of every 
 from __future__ import annotations
 
 import asyncio
+import audioop
 import base64
 import json
 import os
 import socket
 import struct
+import threading
 import time
 
 import pytest
+from loguru import logger
 from pipecat.frames.frames import EndFrame
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineWorker
 from pipecat.processors.filters.identity_filter import IdentityFilter
 from starlette.websockets import WebSocketState
 
+from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
 from voiceagent.server.calls import ActiveCall, CallRegistry
 from voiceagent.server.media_streams import MediaStreamSocket
@@ -66,14 +70,18 @@ class RawPeer:
     """A Media Streams peer on a bare socket: it sends what it is told and never reads, and never
     answers a close: a phone leg whose network died, or a client that stopped reading."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, receive_buffer: int = 0):
         host, _, rest = url.removeprefix("ws://").partition("/")
         self.host, port = host.split(":")
         self.port, self.path = int(port), "/" + rest
+        self.receive_buffer = receive_buffer  # 0: the kernel's autotuned window
         self.sock: socket.socket | None = None
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self.host, self.port))
+        self.sock = socket.socket()
+        if self.receive_buffer:  # before connect: the window is agreed at the handshake
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer)
+        self.sock.connect((self.host, self.port))
         key = base64.b64encode(os.urandom(16)).decode()
         self.sock.sendall(
             f"GET {self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nUpgrade: websocket\r\n"
@@ -102,10 +110,7 @@ async def test_a_vanished_peer_loses_its_slot_within_the_bound(tmp_path, models)
     async with serving(cfg, models) as (app, base):
         peer = RawPeer(twilio_url(base))
         await asyncio.to_thread(peer.connect)
-        start = {"event": "start", "streamSid": "MZvanished", "start": {
-            "streamSid": "MZvanished", "callSid": "CAvanished",
-            "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}
-        peer.send_text(json.dumps(start))
+        peer.send_text(_start("MZvanished"))
         calls = app.state.server.calls
         assert await until(lambda: len(calls.active) == 1, 5)
         # then silence, and nothing read: the slot must be free within idle + close timeouts
@@ -113,6 +118,70 @@ async def test_a_vanished_peer_loses_its_slot_within_the_bound(tmp_path, models)
         freed = await until(lambda: not calls.active, 1 + 1 + 1)
         peer.close()
     assert freed
+
+
+def _start(sid: str) -> str:
+    return json.dumps({"event": "start", "streamSid": sid, "start": {
+        "streamSid": sid, "callSid": "CA" + sid,
+        "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}})
+
+
+def _stream(peer: RawPeer, sid: str, mulaw: bytes, stop: threading.Event) -> None:
+    """`mulaw`, then silence, in 20 ms media messages at real time, as Twilio sends a caller,
+    until `stop` or the server drops the connection."""
+    audio = mulaw + b"\xff" * (8000 * 120)
+    t0 = time.monotonic()
+    for n in range(len(audio) // 160):
+        if stop.is_set():
+            return
+        payload = base64.b64encode(audio[n * 160:(n + 1) * 160]).decode()
+        try:
+            peer.send_text(json.dumps({"event": "media", "streamSid": sid,
+                                       "media": {"payload": payload}}))
+        except OSError:
+            return
+        time.sleep(max(0.0, t0 + (n + 1) * 0.02 - time.monotonic()))
+
+
+@pytest.mark.slow
+async def test_a_peer_whose_receive_window_is_full_loses_its_call(tmp_path, models):
+    """A real socket whose peer goes on sending its caller's audio but never reads: once the
+    bot's long reply has filled the TCP window and the server's bounded send buffer, the send
+    times out and the call ends with 1011, its slot free. (With the kernel's autotuned 4 MB
+    buffer the reply fits in the buffers: only uvicorn's unanswered ping ends the call, 40 s on;
+    `server.send_buffer_bytes=0` fails this.)"""
+    cfg = server_config(tmp_path, "server.send_timeout_s=1", "server.close_timeout_s=1",
+                        "engine.sampling.max_new_tokens=200")
+    cfg.agent.system_prompt = "Always answer with a long story of at least ten sentences."
+    question = audioop.lin2ulaw(speech("Tell me a long story about a dragon.", 8000).tobytes(),
+                                2)
+    closes: list[str] = []
+    sink = logger.add(lambda m: closes.append(m.record["message"]), level="INFO",
+                      filter=lambda r: "MZstalled: closing" in r["message"])
+    async with serving(cfg, models) as (app, base):
+        calls = app.state.server.calls
+        peer = RawPeer(twilio_url(base), receive_buffer=4096)
+        await asyncio.to_thread(peer.connect)
+        peer.send_text(_start("MZstalled"))
+        stop = threading.Event()
+        streaming = asyncio.create_task(
+            asyncio.to_thread(_stream, peer, "MZstalled", question, stop))
+        try:
+            assert await until(lambda: len(calls.active) == 1, 5)
+            t0 = time.monotonic()
+            # ~2 s of question, ~1 s to the reply; 64 KiB of buffer (Linux doubles it) and
+            # asyncio's 64 KiB take about 7 s of sending (audio goes at twice real time); then
+            # the send and the close time out (1 s each).
+            freed = await until(lambda: not calls.active, 30)
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            await streaming
+            peer.close()
+            logger.remove(sink)
+    print(f"stalled peer: call ended {took:.1f} s after it started: {closes}")
+    assert freed
+    assert closes and "closing (1011) peer not reading" in closes[0]
 
 
 class StuckPeer:

@@ -34,12 +34,13 @@ class CannotListen(Exception):
     """The address cannot be bound (port in use, not this machine's address, no permission)."""
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, send_buffer_bytes: int = 0) -> socket.socket:
     """The listening socket, bound before anything loads: a busy port is one line at once, not
-    an error from uvicorn after the models have started loading."""
+    an error from uvicorn after the models have started loading. Connections it accepts inherit
+    its send buffer (`server.send_buffer_bytes`; 0: autotuned)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port), family=family, backlog=BACKLOG)
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             why = f"port {port} is in use; try --port {_free_port(host, port, family)}"
@@ -50,6 +51,9 @@ def listen(host: str, port: int) -> socket.socket:
         else:
             why = exc.strerror or str(exc)
         raise CannotListen(f"cannot listen on {host}:{port}: {why}") from None
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    return sock
 
 
 def _free_port(host: str, port: int, family: int) -> int:
@@ -150,18 +154,21 @@ async def serving_in_process(cfg: Config, shared=None):
     from voiceagent.server.app import create_app
 
     app = create_app(cfg, shared=shared)
-    server = DrainingServer(uvicorn_config(app, cfg, "127.0.0.1", 0, "warning"), app.state.server)
-    task = asyncio.create_task(server.serve())
+    sock = listen("127.0.0.1", 0, cfg.server.send_buffer_bytes)
+    port = sock.getsockname()[1]
+    server = DrainingServer(uvicorn_config(app, cfg, "127.0.0.1", port, "warning"),
+                            app.state.server)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
             task.result()  # raises what stopped it
         await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
         yield app, f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 30)
+        sock.close()
 
 
 def run_serve(cfg: Config, args) -> int:
@@ -184,7 +191,7 @@ def run_serve(cfg: Config, args) -> int:
     preflight(cfg)
     host, port = cfg.server.host, cfg.server.port
     try:
-        sock = listen(host, port)
+        sock = listen(host, port, cfg.server.send_buffer_bytes)
     except CannotListen as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CANNOT_LISTEN
