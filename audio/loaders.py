@@ -27,7 +27,7 @@ def load_piper(onnx_path: str | Path, use_cuda: bool = False, cpu_threads: int =
     On a CPU the session runs without onnxruntime's memory arena: Piper's buffers are as long as
     each phrase, and the arena kept the largest it had seen, fragmented, and grew by doubling
     (+550 MB of RSS over the first calls of a soak, never returned; without it RSS stays flat).
-    Without it a short phrase costs a few ms more (docs/BENCHMARKS.md, "Memory")."""
+    Without it a short phrase costs a few ms more (docs/BENCHMARKS.md, "Soak and memory")."""
     from piper import PiperVoice
 
     voice = PiperVoice.load(str(onnx_path), use_cuda=use_cuda)
