@@ -1,8 +1,10 @@
-"""The request bodies in the app's OpenAPI document (`GET /openapi.json`).
+"""The request bodies and links in the app's OpenAPI document (`GET /openapi.json`).
 
 The handlers read their JSON bodies themselves (`guard.json_object`: a size bound, then their own
 checks and error shapes), so FastAPI cannot see the bodies. These models describe them, so a
 client generator, or the schema fuzz in the tests (schemathesis), knows what each route takes.
+The links say which route takes what another one answered (a call's id from the list of calls),
+so a stateful client, or the stateful fuzz, can follow them.
 """
 
 from __future__ import annotations
@@ -46,8 +48,19 @@ BODIES = {
 }
 
 
+# (path, method, status) -> OpenAPI links from that answer to the routes that take its values.
+LINKS = {
+    ("/api/calls", "get", "200"): {"GetCall": {
+        "operationRef": "#/paths/~1api~1calls~1{call_id}/get",
+        "parameters": {"call_id": "$response.body#/calls/0/call_id"}}},
+    ("/api/calls/{call_id}", "get", "200"): {"TurnsSince": {
+        "operationRef": "#/paths/~1api~1turns/get",
+        "parameters": {"since": "$response.body#/call/started_at"}}},
+}
+
+
 def install_openapi(app: FastAPI) -> None:
-    """Generate the app's document with the request bodies above."""
+    """Generate the app's document with the request bodies and links above."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -60,6 +73,8 @@ def install_openapi(app: FastAPI) -> None:
                 doc["paths"][path][method]["requestBody"] = {"required": True, "content": {
                     "application/json": {
                         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            for (path, method, status), links in LINKS.items():
+                doc["paths"][path][method]["responses"][status]["links"] = links
             app.openapi_schema = doc
         return app.openapi_schema
 
