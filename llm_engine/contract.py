@@ -1,6 +1,5 @@
 """The draft/target compatibility contract, checked before a pair serves, and its pair card.
 
-Implements "Build a draft–target compatibility contract" of seed 001 and item 2 of issue 3.
 A draft proposes token ids that the target verifies, so both must mean the same thing by every
 id: the token->id maps, the special tokens and the chat template must agree. Losslessness does
 not depend on this (the target decides every token); acceptance, and therefore speed, does.
@@ -235,7 +234,7 @@ def make_pair_card(target, draft, config: EngineConfig, resident_bytes: int) -> 
     """Check a pair (raises IncompatiblePairError) and record it as a pair card.
 
     `target` and `draft` are `loading.LoadedModel`s; `draft` is None for methods without one.
-    `resident_bytes` is the measured memory of the whole pair (seed 001 item 8).
+    `resident_bytes` is the measured memory of the whole pair.
     """
     if config.speculation.method in model_settings() and draft is None:
         raise ValueError(f"speculation method {config.speculation.method!r} needs its draft")

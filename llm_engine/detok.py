@@ -1,4 +1,4 @@
-"""Incremental detokenisation and stop strings for streaming (issue 3, item 7).
+"""Incremental detokenisation and stop strings for streaming.
 
 `IncrementalDetokenizer` follows the prefix_offset/read_offset scheme of vLLM's
 `detokenize_incrementally` and TGI's `decode_token`: each push decodes only a short window of

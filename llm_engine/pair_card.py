@@ -1,10 +1,11 @@
-"""The pair card: one JSON record of a served target/draft pair (seed 001, items 1-9).
+"""The pair card: one JSON record of a served target/draft pair.
 
-Seed 001 asks for "one record for the pair or proposal mechanism" before benchmarking: model
-identities with revision, precision and licence; tokenizer compatibility; runtime and algorithm;
-draft length and adaptive policy; sampling; context limits; resident memory of the pair; and
-fallback behaviour. Item 10 (owner, approval, rollback) is a human process; `card_hash` is the
-artefact it can pin: any change to the pair or its settings changes the hash.
+A pair or proposal mechanism gets one record before it is benchmarked, so results name what
+produced them: model identities with revision, precision and licence; tokenizer compatibility;
+runtime and algorithm; draft length and adaptive policy; sampling; context limits; resident
+memory of the pair; and fallback behaviour. Approving a pair and rolling it back (who owns it)
+is a human process; `card_hash` is the artefact it can pin: any change to the pair or its
+settings changes the hash.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class PairCard:
 
 
 def proposer_record(spec: SpeculationConfig, draft) -> dict:
-    """Method, draft length and adaptive policy (seed 001 item 5)."""
+    """Method, draft length and adaptive policy."""
     if spec.method == "off":
         record: dict = {"method": "off", "draft_tokens": None, "adaptive_policy": None}
     else:
@@ -129,8 +130,7 @@ def proposer_record(spec: SpeculationConfig, draft) -> dict:
 
 
 def runtime_record(device: str, method: str, runner: str = "eager") -> dict:
-    """Serving runtime, algorithm and hardware (seed 001 item 4); the weights' format is on the
-    model identities."""
+    """Serving runtime, algorithm and hardware; the weights' format is on the model identities."""
     return {
         "engine": "llm_engine (in-process)",
         "runner": runner,
@@ -151,7 +151,7 @@ def _draft_note(method: str, draft) -> str:
 
 
 def fallback_text(spec: SpeculationConfig) -> str:
-    """Fallback behaviour when speculation is disabled or does not pay (seed 001 item 9)."""
+    """Fallback behaviour when speculation is disabled or does not pay."""
     lossless = (
         "The output is unchanged either way: every emitted token is chosen by the "
         "target's verification, so speculation changes speed, never text."

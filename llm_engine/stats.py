@@ -1,7 +1,7 @@
 """Statistics returned as data: per step, per request, and running totals for server metrics.
 
-Times are milliseconds from `time.perf_counter`. The field set follows seed 001's measurement
-list: accepted tokens per step, rejection position, drafting and verification time separately,
+Times are milliseconds from `time.perf_counter`. The fields are what speculation is judged by:
+accepted tokens per step, rejection position, drafting and verification time separately,
 time to first token and each inter-token latency.
 """
 

@@ -1,4 +1,4 @@
-"""The draft/target compatibility contract and the pair card (issue 3 item 2, seed 001)."""
+"""The draft/target compatibility contract and the pair card."""
 
 from __future__ import annotations
 

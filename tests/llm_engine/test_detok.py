@@ -1,4 +1,4 @@
-"""Incremental detokenisation and stop strings (issue 3 item 7)."""
+"""Incremental detokenisation and stop strings."""
 
 from __future__ import annotations
 

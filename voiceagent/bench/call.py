@@ -1,6 +1,6 @@
 """`voiceagent bench call`: the same scripted calls under several variants, side by side.
 
-Seed 001's bounded comparison: freeze the workload, measure with the feature on and off. A variant
+A bounded comparison: freeze the workload, measure with the feature on and off. A variant
 is a speculation method with optional features, `METHOD[+prepare][+smart_turn]`: early response
 preparation and the Smart Turn stop strategy on (a feature left out of the name is off), and
 optional config overrides after colons (`off:vad.stop_secs=0.3`). `--backend NAME=URL` adds a

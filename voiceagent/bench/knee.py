@@ -1,4 +1,4 @@
-"""`voiceagent bench serve --knee`: the capacity knee (seed 001: "test the capacity knee").
+"""`voiceagent bench serve --knee`: the capacity knee: how many calls at once before latency bends.
 
 1, 2, 3 ... N simulated Twilio callers at once, speculation off and on, each a conversation of
 `turns` questions at real-time pace, started a little apart as real callers are. Per N: clock 3

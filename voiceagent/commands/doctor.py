@@ -176,7 +176,7 @@ def tools(cfg: Config) -> str:
 
 
 def _pair_card(report: Report, cfg: Config, loaded: dict, say: Callable[[str], None]) -> None:
-    """Check the draft/target contract and print the pair card (seed 001's record)."""
+    """Check the draft/target contract and print the pair card."""
     from llm_engine.contract import make_pair_card
     from voiceagent.llm_setup import resident_bytes
 

@@ -2,10 +2,10 @@
 plots, to share in a review.
 
 Every number comes from `voiceagent.dashboard.stats`, the code behind the dashboard's APIs and
-`voiceagent bench call`, so the three agree by construction. The clocks are seed 001's (see
-`voiceagent.pipeline.clocks`). The plots use matplotlib's object API (`Figure`, drawn by the Agg
-canvas when saved as PNG). They never touch pyplot, so no display is needed and no global backend
-is switched in the process that imports this module.
+`voiceagent bench call`, so the three agree by construction. The clocks are the turn's three
+(`voiceagent.pipeline.clocks` says what each measures). The plots use matplotlib's object API
+(`Figure`, drawn by the Agg canvas when saved as PNG). They never touch pyplot, so no display is
+needed and no global backend is switched in the process that imports this module.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | `GET /api/calls?since=&before=&limit=` | `{"calls": [...], "next_before": t}`, newest first (1) |
 | `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...], "speculation": [...]}`: each turn's
   `stats.turn_speculation`, with its `turn`; 404 for an unknown id |
-| `GET /api/pair-card` | the running pair's card (seed 001); 503 while models load (2) |
+| `GET /api/pair-card` | the running pair's card; 503 while models load (2) |
 | `GET /api/backend` | the pipeline's LLM: `backend`, `model`, `name`; for a remote server also its
   `base_url` and its server-wide `speculation` counters (vLLM's Prometheus), or null |
 | `GET /api/events` | server-sent events: `turn` (a turn record) and `call` (started/ended) |

@@ -1,4 +1,4 @@
-"""The three clocks of seed 001, measured per turn by a pipecat observer.
+"""A turn's three clocks, measured by a pipecat observer.
 
 1. request -> first token: the LLM service receives the context -> its first LLMTextFrame.
 2. inter-token latency: the engine's per-token times (p50/p95/p99 of one turn).

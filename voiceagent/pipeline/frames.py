@@ -1,5 +1,5 @@
 """Our own pipecat frames: the caller's pauses inside a turn, and a reply prepared before its turn
-was confirmed (early response preparation, seed 001).
+was confirmed (early response preparation).
 
 pipecat's VAD reports speech start and stop; stop comes `stop_secs` (the hangover) after the last
 speech. The pause frames report the first silent VAD window and the speech that ends it, so the

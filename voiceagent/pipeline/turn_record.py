@@ -30,7 +30,7 @@ class Percentiles:
 
 @dataclass
 class Clocks:
-    """Seed 001's three clocks (voiceagent.pipeline.clocks says what each measures)."""
+    """A turn's three clocks (voiceagent.pipeline.clocks says what each measures)."""
 
     request_to_first_token_ms: float | None = None
     itl_ms: Percentiles = field(default_factory=Percentiles)
