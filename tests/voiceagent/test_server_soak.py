@@ -26,9 +26,9 @@ QUESTIONS = ["What is the capital of France?", "How far away is the moon?",
              "Can you recommend a good book?"]
 STOP = "Stop, wait a moment please."
 REPLY_TIMEOUT_S = 120
-# On the median slope of RSS over the calls in a row (README): 0.2 MB a call over a 200-call soak;
-# RSS wanders by ~10 MB from call to call, so over the suite's 50 the bound is looser (onnxruntime's
-# arena for Piper, before audio.loaders turned it off, gave +7 MB a call).
+# On the median slope of RSS over the calls in a row (README): 0.2 MB a call over the 100 of a
+# 200-call soak; RSS wanders by ~10 MB from call to call, so over the suite's 50 the bound is
+# looser (onnxruntime's arena for Piper, before audio.loaders turned it off, gave +1.7 MB a call).
 MAX_SLOPE_MB_PER_CALL = 0.2 if CALLS >= 100 else 0.5
 MAX_MALLOC_SLOPE_MB_PER_CALL = 0.1  # on the bytes malloc has handed out and not had back
 # The server keeps the turn records of its last 100 calls in memory: ~21 objects a call.
@@ -42,7 +42,9 @@ class _MallInfo2(ctypes.Structure):
                 .split()]
 
 
-LIBC.mallinfo2.restype = _MallInfo2
+HAS_MALLINFO2 = hasattr(LIBC, "mallinfo2")  # glibc 2.33 and later
+if HAS_MALLINFO2:
+    LIBC.mallinfo2.restype = _MallInfo2
 
 
 def _settled() -> tuple[float, float]:
@@ -51,6 +53,8 @@ def _settled() -> tuple[float, float]:
     by the allocator for reuse. The second is exact where RSS wanders by ~10 MB a call."""
     gc.collect()
     LIBC.malloc_trim(0)
+    if not HAS_MALLINFO2:
+        return rss_mb(), 0.0
     info = LIBC.mallinfo2()
     return rss_mb(), (info.uordblks + info.hblkhd) / 2**20
 
@@ -77,8 +81,8 @@ async def _call(url: str, n: int, audio: dict) -> None:
 
 def _median_slope(values: list[float]) -> float:
     """Theil-Sen: the median of the slopes between every two calls. A leak grows RSS at every
-    call and moves it; the C allocators' arenas growing in a few steps (ONNX Runtime's, glibc's:
-    +100-300 MB at single calls, on the eager and the lean engine alike) do not."""
+    call and moves it; a single outlier (RSS read while an allocator still holds a call's
+    buffers) does not."""
     pairs = [(values[j] - values[i]) / (j - i)
              for i in range(len(values)) for j in range(i + 1, len(values))]
     return float(np.median(pairs))

@@ -154,21 +154,20 @@ async def serving_in_process(cfg: Config, shared=None):
     from voiceagent.server.app import create_app
 
     app = create_app(cfg, shared=shared)
-    sock = listen("127.0.0.1", 0, cfg.server.send_buffer_bytes)
-    port = sock.getsockname()[1]
-    server = DrainingServer(uvicorn_config(app, cfg, "127.0.0.1", port, "warning"),
-                            app.state.server)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()  # raises what stopped it
-        await asyncio.sleep(0.02)
-    try:
-        yield app, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 30)
-        sock.close()
+    with listen("127.0.0.1", 0, cfg.server.send_buffer_bytes) as sock:
+        port = sock.getsockname()[1]
+        server = DrainingServer(uvicorn_config(app, cfg, "127.0.0.1", port, "warning"),
+                                app.state.server)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()  # raises what stopped it
+            await asyncio.sleep(0.02)
+        try:
+            yield app, f"http://127.0.0.1:{port}"
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 30)
 
 
 def run_serve(cfg: Config, args) -> int:
