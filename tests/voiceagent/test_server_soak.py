@@ -5,8 +5,6 @@ asyncio tasks) and memory is flat: the slope of RSS over the calls is printed an
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import os
 
@@ -14,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.audio.speech import speech
+from tests.memory import settled_memory
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
-from voiceagent.bench.serve import rss_mb
 from voiceagent.sim.twilio_caller import TwilioCaller
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -33,30 +31,6 @@ MAX_SLOPE_MB_PER_CALL = 0.2 if CALLS >= 100 else 0.5
 MAX_MALLOC_SLOPE_MB_PER_CALL = 0.1  # on the bytes malloc has handed out and not had back
 # The server keeps the turn records of its last 100 calls in memory: ~21 objects a call.
 MAX_OBJECTS_PER_CALL = 100
-LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-                .split()]
-
-
-HAS_MALLINFO2 = hasattr(LIBC, "mallinfo2")  # glibc 2.33 and later
-if HAS_MALLINFO2:
-    LIBC.mallinfo2.restype = _MallInfo2
-
-
-def _settled() -> tuple[float, float]:
-    """RSS, and the bytes malloc has handed out and not had back (MB), once Python's garbage
-    is collected and glibc has returned its free pages: what remains is held, not merely kept
-    by the allocator for reuse. The second is exact where RSS wanders by ~10 MB a call."""
-    gc.collect()
-    LIBC.malloc_trim(0)
-    if not HAS_MALLINFO2:
-        return rss_mb(), 0.0
-    info = LIBC.mallinfo2()
-    return rss_mb(), (info.uordblks + info.hblkhd) / 2**20
 
 
 async def _call(url: str, n: int, audio: dict) -> None:
@@ -95,10 +69,10 @@ async def test_a_soak_of_calls_leaves_nothing_behind_and_memory_flat(tmp_path, m
         server, url = app.state.server, twilio_url(base)
         await _call(url, 0, audio)  # warm: first-call allocations are not a leak
         tasks_before = len(asyncio.all_tasks())
-        memory, objects = [_settled()], [len(gc.get_objects())]
+        memory, objects = [settled_memory()], [len(gc.get_objects())]
         for n in range(CALLS):
             await _call(url, n, audio)
-            memory.append(_settled())
+            memory.append(settled_memory())
             objects.append(len(gc.get_objects()))
         assert await until(lambda: not server.calls.active, 10)
         for first in range(0, CALLS, AT_ONCE):
@@ -107,7 +81,7 @@ async def test_a_soak_of_calls_leaves_nothing_behind_and_memory_flat(tmp_path, m
         engine = models.engine
         settled = await until(lambda: not server.calls.active and engine.in_flight == 0
                                and server.events.subscribers == 0, 15)
-        memory.append(_settled())
+        memory.append(settled_memory())
         assert await asyncio.to_thread(server.store.flush)
         stored = await asyncio.to_thread(server.store.calls, None, None, 1000)
         tasks_after = len(asyncio.all_tasks())
