@@ -30,7 +30,7 @@ class CompiledRunner(TargetRunner):
     def __init__(self, model: torch.nn.Module, max_cache_len: int,
                  buckets: tuple[int, ...] = BUCKETS):
         super().__init__(model)
-        if not kv._plain_head(model):
+        if not kv.plain_head(model):
             raise ValueError(f"{type(model).__name__}: the compiled runner needs a decoder and "
                              "a plain output head; use engine.runner: eager")
         self.max_cache_len = max_cache_len

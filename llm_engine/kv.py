@@ -71,7 +71,7 @@ def forward(
     last hidden states [n, hidden_size] (what the output head reads), as (logits, hidden).
     """
     assert input_ids.ndim == 2 and input_ids.shape[0] == 1
-    if _plain_head(model):
+    if plain_head(model):
         # The decoder's output is what the head reads, so the hidden states cost nothing.
         decoder = model.get_decoder()
         states = decoder(
@@ -94,7 +94,9 @@ def forward(
 _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def _plain_head(model: torch.nn.Module) -> bool:
+def plain_head(model: torch.nn.Module) -> bool:
+    """Whether the logits are the output head applied to the decoder's last hidden states, so a
+    runner may call the decoder and the head itself."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_decoder"):
         return False

@@ -74,7 +74,7 @@ def test_the_installed_wheel_finds_its_configs_from_another_directory(wheel, tmp
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     probe = (
-        "import json, voiceagent, voiceagent.config as c, voiceagent.bench.prompt_sets as p\n"
+        "import json, voiceagent, voiceagent.config as c, voiceagent.prompt_sets as p\n"
         "cfg = c.load_config()\n"
         "print(json.dumps({'package': voiceagent.__file__, 'configs': str(c.CONFIGS_DIR),\n"
         "  'default': str(c.DEFAULT_CONFIG), 'target': cfg.engine.target,\n"

@@ -238,7 +238,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return run_call_bench(load_config(args.config, args.overrides), args)
     from voiceagent.bench.engine import run_engine_bench
-    from voiceagent.bench.prompt_sets import DEFAULT_PROMPTS
+    from voiceagent.prompt_sets import DEFAULT_PROMPTS
 
     args.prompts = args.prompts or str(DEFAULT_PROMPTS)
     if args.batch:
@@ -255,7 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_call(args: argparse.Namespace) -> int:
-    from voiceagent.sim.call import run_call
+    from voiceagent.commands.call import run_call
 
     return run_call(load_config(args.config, args.overrides), args)
 

@@ -29,8 +29,8 @@ from llm_engine.prompts import encode_chat
 from llm_engine.proposers import model_setting
 from llm_engine.runner import EagerRunner, TargetRunner
 from llm_engine.serving import AsyncEngine
-from voiceagent.bench.prompt_sets import heldout_conversations
 from voiceagent.models import resolve
+from voiceagent.prompt_sets import heldout_conversations
 
 
 def load_llm(

@@ -14,7 +14,7 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.lean.gguf import read_q4_1
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.prompts import encode_chat
-from voiceagent.bench.prompt_sets import heldout_conversations
+from voiceagent.prompt_sets import heldout_conversations
 
 
 @pytest.fixture(scope="module")

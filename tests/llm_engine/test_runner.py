@@ -56,7 +56,7 @@ def test_a_model_that_transforms_its_head_output_runs_through_its_own_forward():
     with torch.inference_mode():
         out = runner.forward(runner.new_cache(), TOKENS)
         reference = model(TOKENS).logits[0]
-    assert not kv._plain_head(model)
+    assert not kv.plain_head(model)
     assert out.logits.abs().max() <= 5.0  # soft-capped
     assert torch.allclose(out.logits, reference, atol=1e-5)
 

@@ -23,7 +23,6 @@ from voiceagent.bench.engine import (
     settings_from_args,
     write_results,
 )
-from voiceagent.bench.prompt_sets import PromptSet, load_prompt_set
 from voiceagent.bench.results import (
     RunRecord,
     first_difference,
@@ -36,6 +35,7 @@ from voiceagent.bench.results import (
 )
 from voiceagent.cli import main
 from voiceagent.config import REPO_ROOT, load_config
+from voiceagent.prompt_sets import PromptSet, load_prompt_set
 
 
 def record(mode="off", times=(100.0, 150.0, 200.0), tokens=None, prompt=0, segment="s",

@@ -23,8 +23,9 @@ from tests.voiceagent import browser
 from tests.voiceagent.server_proc import log_tail, running_server
 from tests.voiceagent.turns import make_turn
 from voiceagent.config import load_config
-from voiceagent.dashboard.store import CallInfo, open_store
+from voiceagent.dashboard.store import open_store
 from voiceagent.pipeline.builder import load_shared
+from voiceagent.pipeline.records import CallInfo
 from voiceagent.pipeline.turn_record import ToolCall
 from voiceagent.sim.call import simulate_call
 
@@ -82,9 +83,11 @@ def stored_call(tmp_path_factory):
     spoken = [x for q in QUESTIONS for x in (speech(q), silence(4.0))]
     audio = np.concatenate([silence(0.5), *spoken])
     shared = load_shared(cfg, progress=lambda _: None)
+    store = open_store(cfg)
     try:
-        result = asyncio.run(simulate_call(cfg, shared, audio, realtime=True))
+        result = asyncio.run(simulate_call(cfg, shared, audio, realtime=True, store=store))
     finally:
+        store.close()
         shared.close()
     assert len(result.turns) == len(QUESTIONS), [t.user_text for t in result.turns]
     _store_tool_call(cfg)

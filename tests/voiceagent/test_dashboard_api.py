@@ -13,7 +13,7 @@ from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
 from tests.voiceagent.turns import make_turn
 from voiceagent.dashboard.stats import overview, speculation
-from voiceagent.dashboard.store import CallInfo
+from voiceagent.pipeline.records import CallInfo
 from voiceagent.pipeline.turn_record import Breakdown, Preparation, ToolCall, TurnRecord
 from voiceagent.server.app import create_app
 from voiceagent.sim.twilio_caller import TwilioCaller

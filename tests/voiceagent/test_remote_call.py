@@ -32,9 +32,11 @@ async def test_a_call_on_a_remote_llm_has_its_clocks_method_and_speculation(
     assert shared.engine is None  # no local LLM loaded
     audio = np.concatenate([silence(0.5), speech("What is the capital of France?"), silence(6.0),
                             speech("And what about Spain?"), silence(5.0)])
+    store = open_store(cfg)
     try:
-        result = await simulate_call(cfg, shared, audio)
+        result = await simulate_call(cfg, shared, audio, store=store)
     finally:
+        store.close()
         shared.close()
     first, second = result.turns
     for turn in (first, second):
@@ -46,7 +48,7 @@ async def test_a_call_on_a_remote_llm_has_its_clocks_method_and_speculation(
         assert turn.engine["steps"]  # the remote engine's own steps and acceptance
     # The call's session id travels as OpenAI's `user`: the remote reused turn 1's KV.
     assert second.engine["reused_prefix_tokens"] > 0
-    store = open_store(cfg)
+    store = open_store(cfg)  # a fresh reader: the call was committed
     try:
         assert store.call(first.call_id)["call"]["method"] == "serve-ngram"
     finally:

@@ -18,10 +18,10 @@ import psycopg
 import pytest
 
 from tests.voiceagent.turns import make_turn
-from voiceagent.dashboard.store import SCHEMA_VERSION, CallInfo, SQLTurnStore, StoreError
+from voiceagent.dashboard.store import SCHEMA_VERSION, SQLTurnStore, StoreError
 from voiceagent.dashboard.store_postgres import PostgresTurnStore
 from voiceagent.dashboard.store_sqlite import SQLiteTurnStore
-from voiceagent.pipeline.records import TurnRecords
+from voiceagent.pipeline.records import CallInfo, TurnRecords
 from voiceagent.pipeline.turn_record import TurnRecord
 
 

@@ -29,9 +29,9 @@ from llm_engine.prompts import encode_chat
 from llm_engine.proposers import check_method
 from voiceagent import logs
 from voiceagent.bench.engine import machine_info
-from voiceagent.bench.prompt_sets import load_prompt_set, messages
 from voiceagent.config import Config
 from voiceagent.figures import fmt
+from voiceagent.prompt_sets import load_prompt_set, messages
 
 
 def aggregate_tok_s(decoded_tokens: int, seconds: float) -> float:

@@ -30,6 +30,7 @@ from voiceagent.bench.floor import measure_floor, render_floor
 from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import PROMPTS_DIR, Config, LLMConfig, apply_override
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
+from voiceagent.dashboard.store import open_store
 from voiceagent.figures import fmt, fmt_share, percentile
 from voiceagent.logs import progress_bar, write
 from voiceagent.pipeline.builder import SharedModels, load_shared
@@ -215,6 +216,7 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
     turns: dict[str, list] = {v.name: [] for v in variants}
     before = {name: await chat.speculation() for name, chat in remotes.items()}
     bar = progress_bar(repeats * len(script["calls"]) * len(variants), "bench call", "call")
+    store = open_store(cfg)  # the bench's calls show on the dashboard like any other
     try:
         for r in range(repeats):
             for i, call in enumerate(script["calls"]):
@@ -229,7 +231,7 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                     if v.method in remotes:
                         models = dataclasses.replace(models, chat=remotes[v.method])
                     result = await simulate_call(v.configure(call_cfg), models, audio,
-                                                 method=v.method)
+                                                 method=v.method, store=store)
                     say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)")
                     bar.update()
                     turns[v.name] += [dict(t.to_dict(), script_call=call["name"])
@@ -239,6 +241,7 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
         floor = await measure_floor(cfg, shared, utterances)
     finally:
         bar.close()
+        store.close()
         shared.close()
         for models in {id(m): m for m in speech.values()}.values():
             if models is not shared.speech:  # a variant's own: its worker threads end too

@@ -43,7 +43,6 @@ from llm_engine.sampling import is_greedy
 from voiceagent import logs
 from voiceagent.bench.anchor import AnchorError, anchor_runner, connect
 from voiceagent.bench.formats import format_section, render_formats
-from voiceagent.bench.prompt_sets import PromptSet, heldout_conversations, load_prompt_set, messages
 from voiceagent.bench.results import (
     ANCHOR,
     FORMAT_MARK,
@@ -55,6 +54,7 @@ from voiceagent.bench.results import (
 )
 from voiceagent.config import Config
 from voiceagent.logs import progress_bar
+from voiceagent.prompt_sets import PromptSet, heldout_conversations, load_prompt_set, messages
 
 
 @dataclass

@@ -33,13 +33,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from loguru import logger
 
 from voiceagent.dashboard.journal import Journal, orphans, read_entries
+from voiceagent.pipeline.records import CallInfo, CallLog
 from voiceagent.pipeline.turn_record import TurnRecord
 
 if TYPE_CHECKING:
@@ -95,28 +95,10 @@ def shareable(record: TurnRecord, transcripts: bool) -> dict:
     return data
 
 
-@dataclass
-class CallInfo:
-    call_id: str
-    kind: str
-    started_at: float
-    method: str | None = None
-    config_hash: str | None = None
-    pair_card_hash: str | None = None
-    ended_at: float | None = None
-    call_sid: str | None = None  # Twilio's CallSid, for a phone call
-
-
-class TurnStore(Protocol):
+class TurnStore(CallLog, Protocol):
     """Writes never block (they are queued); reads return plain dicts, newest first."""
 
     where: str  # the store's name in messages: its file, or its URL without the password
-
-    def start_call(self, info: CallInfo) -> None: ...
-
-    def end_call(self, call_id: str, ended_at: float) -> None: ...
-
-    def write(self, record: TurnRecord) -> None: ...
 
     def flush(self, timeout: float = 10.0) -> bool: ...
 

@@ -10,6 +10,7 @@ import json
 import queue
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -24,6 +25,28 @@ class TurnSink(Protocol):
     def write(self, record: TurnRecord) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class CallInfo:
+    """A call as the turn store keeps it, beside its turns."""
+
+    call_id: str
+    kind: str
+    started_at: float
+    method: str | None = None
+    config_hash: str | None = None
+    pair_card_hash: str | None = None
+    ended_at: float | None = None
+    call_sid: str | None = None  # Twilio's CallSid, for a phone call
+
+
+class CallLog(TurnSink, Protocol):
+    """A sink that also records when each call starts and ends (the turn store)."""
+
+    def start_call(self, info: CallInfo) -> None: ...
+
+    def end_call(self, call_id: str, ended_at: float) -> None: ...
 
 
 class JsonlTurnSink:

@@ -291,25 +291,39 @@ def turn_strategies(cfg: TurnConfig, smart_turn_session=None) -> UserTurnStrateg
     return UserTurnStrategies(start=start, stop=[_stop_strategy(cfg, smart_turn_session)])
 
 
-def load_smart_turn_session():
-    """An ONNX session of pipecat's bundled Smart Turn v3 model; one per process, shared by every
-    call (creating one takes 35 ms, too long for the event loop at each call; onnxruntime's Run
-    is thread-safe)."""
-    from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+SMART_TURN_MODEL = ("pipecat.audio.turn.smart_turn.data", "smart-turn-v3.2-cpu.onnx")
 
-    return LocalSmartTurnAnalyzerV3(cpu_count=1)._session
+
+def load_smart_turn_session():
+    """An ONNX session of pipecat's bundled Smart Turn v3 model, with the options pipecat's own
+    analyzer uses; one per process, shared by every call (creating one takes 35 ms, too long for
+    the event loop at each call; onnxruntime's Run is thread-safe)."""
+    from importlib.resources import files
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.inter_op_num_threads = 1
+    options.intra_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    package, name = SMART_TURN_MODEL
+    return ort.InferenceSession(str(files(package) / name), sess_options=options)
 
 
 def _smart_turn_analyzer(session):
-    """pipecat's LocalSmartTurnAnalyzerV3 with its own audio state over the shared session."""
+    """pipecat's Smart Turn v3 analyzer with its own audio state over the process's session."""
     from pipecat.audio.turn.smart_turn.base_smart_turn import BaseSmartTurn
     from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 
-    analyzer = LocalSmartTurnAnalyzerV3.__new__(LocalSmartTurnAnalyzerV3)
-    BaseSmartTurn.__init__(analyzer)  # the per-call state; LocalSmartTurnAnalyzerV3's own
-    analyzer._log_data = False  # __init__ would only load the model again
-    analyzer._session = session
-    return analyzer
+    class SharedSessionSmartTurn(LocalSmartTurnAnalyzerV3):
+        # Its parent's constructor would load the model again; only the per-call state is new.
+        def __init__(self):
+            BaseSmartTurn.__init__(self)
+            self._log_data = False
+            self._session = session
+
+    return SharedSessionSmartTurn()
 
 
 def _stop_strategy(cfg: TurnConfig, smart_turn_session) -> BaseUserTurnStopStrategy:

@@ -13,10 +13,10 @@ from pipecat.transports.smallwebrtc.request_handler import SmallWebRTCRequestHan
 from voiceagent.config import Config, config_hash
 from voiceagent.dashboard.events import EventHub
 from voiceagent.dashboard.metrics import TurnMetrics
-from voiceagent.dashboard.store import CallInfo, TurnStore, open_store
+from voiceagent.dashboard.store import TurnStore, open_store
 from voiceagent.llm_setup import resident_bytes
 from voiceagent.pipeline.builder import SharedModels
-from voiceagent.pipeline.records import TurnRecords
+from voiceagent.pipeline.records import CallInfo, TurnRecords
 from voiceagent.server.ab import OffHoldout
 from voiceagent.server.admission import Admission
 from voiceagent.server.calls import ActiveCall, CallRegistry
