@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from llm_engine import methods
+
 STRICT = {"extra": "forbid", "validate_assignment": True}
 
 
@@ -79,8 +81,8 @@ class SpeculationConfig:
 
     __pydantic_config__ = STRICT
 
-    # A registered proposer (`llm_engine.proposers.proposer_names()`), or "grammar+<one>": grammar
-    # drafts where a constrained request's continuation is forced, <one> elsewhere.
+    # A method of `llm_engine.methods`, or "grammar+<one>": grammar drafts where a constrained
+    # request's continuation is forced, <one> elsewhere.
     method: str = "ngram"
     num_draft_tokens: int = 4  # K until the request has measured its acceptance
     adaptive: bool = True  # K from the measured cost model and acceptance; False: always K
@@ -95,9 +97,7 @@ class SpeculationConfig:
     ngram_max: int = 3
 
     def __post_init__(self) -> None:
-        from llm_engine.proposers import check_method  # registers them; imports this module
-
-        check_method(self.method, "speculation method")
+        methods.check(self.method)
 
 
 @dataclass

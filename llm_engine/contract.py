@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 
 from llm_engine.config import EngineConfig
 from llm_engine.errors import IncompatiblePairError
+from llm_engine.methods import model_settings
 from llm_engine.pair_card import (
     ModelIdentity,
     PairCard,
@@ -34,7 +35,6 @@ from llm_engine.pair_card import (
     proposer_record,
     runtime_record,
 )
-from llm_engine.proposers import model_settings
 
 MAX_SHOWN = 5  # differences shown per section of the error
 PINNED_DATE = "26 Jul 2024"  # passed to templates as `date_string`

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from llm_engine import cost_model as costs
-from llm_engine import kv
+from llm_engine import kv, methods
 from llm_engine.adaptive import CostGate, DraftLength, PlainStepCost
 from llm_engine.config import EngineConfig, GrammarSpec, SamplingConfig
 from llm_engine.grammar import GrammarCache, GrammarState
@@ -33,9 +33,6 @@ from llm_engine.proposers import (
     ProposeContext,
     Proposer,
     make_proposer,
-    model_setting,
-    model_settings,
-    proposer_names,
 )
 from llm_engine.runner import EagerRunner, Forward, TargetRunner
 from llm_engine.sampling import (
@@ -556,15 +553,15 @@ class SpeculativeEngine:
         """Time the target's forward for 1 .. max_draft_tokens + 1 rows and each available
         proposer's drafting on this machine (`llm_engine.cost_model`)."""
         models = self._models()
-        methods = [m for m in proposer_names()
-                   if m != "off" and model_settings().get(m, "") in {"", *models}]
+        available = [m for m in methods.names()
+                     if m != "off" and methods.model_settings().get(m, "") in {"", *models}]
         context = max(min(context, self.config.max_context - 2 * self.spec.max_draft_tokens - 8), 8)
         return costs.measure(
             self.runner, self.spec.max_draft_tokens + 1,
-            {m: (lambda m=m: self._new_proposer(m)) for m in methods}, context, repeats, key)
+            {m: (lambda m=m: self._new_proposer(m)) for m in available}, context, repeats, key)
 
     def _new_proposer(self, method: str) -> Proposer:
-        return make_proposer(method, self.spec, self._models().get(model_setting(method)))
+        return make_proposer(method, self.spec, self._models().get(methods.model_setting(method)))
 
     def compile_grammars(self, specs: list[GrammarSpec]) -> None:
         """Compile grammars ahead of the requests that use them: a request starts on its caller's

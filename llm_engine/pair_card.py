@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from llm_engine.config import SpeculationConfig
-from llm_engine.proposers import model_settings
+from llm_engine.methods import model_settings
 
 ALGORITHM = (
     "speculative decoding: the proposer drafts K tokens, the target verifies them in one pass "

@@ -6,22 +6,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llm_engine import methods
 from llm_engine.errors import IncompatiblePairError, ModelLoadError
 from voiceagent import logs
 from voiceagent.config import ConfigError, load_config
 from voiceagent.models import ModelNotFound
 
-# The registered proposers (llm_engine.proposers), named here so that building the parser does
-# not import torch; tests/voiceagent/test_cli_flags.py checks the list against the registry.
-METHODS_HELP = "off, ngram, draft, eagle, grammar, or grammar+<one>"
-
 
 def _method(name: str) -> str:
-    from llm_engine.proposers import check_method
     from voiceagent.config import did_you_mean, setting_choices
 
     try:
-        check_method(name)
+        methods.check(name)
     except ValueError as exc:
         guess = did_you_mean(name, setting_choices(("engine", "speculation", "method")))
         raise argparse.ArgumentTypeError(f"{exc}; {guess}" if guess else str(exc)) from None
@@ -86,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "chat", help="generate one reply with the engine only (no audio)")
     p.add_argument("prompt", help="the user's message")
     p.add_argument("--speculative", type=_method, metavar="METHOD",
-                   help=f"speculation method: {METHODS_HELP} (default from config: "
+                   help=f"speculation method: {methods.help_text()} (default from config: "
                    "engine.speculation.method)")
     p.add_argument("--draft", help="draft model name or path (implies --speculative draft)")
     p.add_argument("--temperature", type=float,

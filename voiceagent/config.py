@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from audio.config import ASRConfig, TTSConfig, VADConfig
+from llm_engine import methods
 from llm_engine.config import EngineConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout, when run from one
@@ -516,18 +517,7 @@ def _bad_key(loc: tuple[str, ...], err: dict, data: dict) -> tuple[str, ...]:
 def setting_choices(loc: tuple[str, ...]) -> list[str]:
     """The valid values of a key (its path) that takes one of a set of names."""
     if loc == ("engine", "speculation", "method"):
-        from llm_engine.proposers import check_method, proposer_names
-
-        names = proposer_names()
-        combined = []
-        for outer in names:
-            for inner in names:
-                try:
-                    check_method(f"{outer}+{inner}")
-                except ValueError:
-                    continue
-                combined.append(f"{outer}+{inner}")
-        return names + combined
+        return methods.choices()
     tp = _type_at(loc)
     options = typing.get_args(tp) if typing.get_origin(tp) is not Literal else (tp,)
     return [str(value) for option in options if typing.get_origin(option) is Literal

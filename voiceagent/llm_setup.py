@@ -24,9 +24,9 @@ from llm_engine.lean import llama as lean_llama
 from llm_engine.lean.eagle import LeanEagleHead
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.loading import LoadedModel, load_causal_lm, model_bytes
+from llm_engine.methods import model_setting
 from llm_engine.pair_card import PairCard
 from llm_engine.prompts import encode_chat
-from llm_engine.proposers import model_setting
 from llm_engine.runner import EagerRunner, TargetRunner
 from llm_engine.serving import AsyncEngine
 from voiceagent.models import resolve

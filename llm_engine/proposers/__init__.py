@@ -1,5 +1,5 @@
-"""Proposers, registered by name: `off`, `ngram`, `draft`, `eagle` and `grammar` (which
-combines with one of the others: "grammar+ngram")."""
+"""Proposers, one class per method of `llm_engine.methods`: `off`, `ngram`, `draft`, `eagle` and
+`grammar` (which combines with one of the others: "grammar+ngram")."""
 
 from llm_engine.proposers import (  # noqa: F401  (imports register them)
     draft_model,
@@ -13,12 +13,9 @@ from llm_engine.proposers.base import (
     Draft,
     ProposeContext,
     Proposer,
-    check_method,
     make_proposer,
-    model_setting,
-    model_settings,
-    proposer_names,
     register,
+    registered,
 )
 
 __all__ = [
@@ -26,10 +23,7 @@ __all__ = [
     "Draft",
     "ProposeContext",
     "Proposer",
-    "check_method",
     "make_proposer",
-    "model_setting",
-    "model_settings",
-    "proposer_names",
     "register",
+    "registered",
 ]

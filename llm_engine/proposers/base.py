@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from llm_engine import methods
 from llm_engine.config import SamplingConfig, SpeculationConfig
 from llm_engine.sampling import is_greedy, logits_to_probs, penalize, sample, uses_history
 from llm_engine.verify import mask_logits
@@ -108,17 +109,11 @@ class ProposeContext:
 class Proposer:
     """The interface, with the defaults of a stateless proposer; `@register` a subclass."""
 
-    # The engine setting that names the model it drafts with ("draft": engine.draft, "eagle":
-    # engine.eagle); None for a proposer without a model.
+    # What its method's entry in `llm_engine.methods` says (a test keeps them equal); the engine
+    # reads them on the instance, where a combining proposer answers for the one it wraps.
     model_setting: ClassVar[str | None] = None
-    # True when sampled drafts are drawn from ctx.generator and carry q (a draft model): they are
-    # then verified by rejection sampling on the same generator, whose stream order depends on K.
-    # False for deterministic drafts (q is None), verified with per-position noise instead.
     samples_drafts: ClassVar[bool] = False
-    # True when the proposer reads the target's last hidden states (EAGLE): the engine then calls
-    # observe_target after every target forward.
     uses_target_hidden: ClassVar[bool] = False
-    # True when it combines with another proposer per step (`around`).
     combines: ClassVar[bool] = False
 
     @classmethod
@@ -155,46 +150,26 @@ _REGISTRY: dict[str, type[Proposer]] = {}
 
 
 def register(name: str) -> Callable[[type[Proposer]], type[Proposer]]:
-    """Class decorator: the proposer class is built by name through its `create`."""
+    """Class decorator: the proposer class of method `name` (`llm_engine.methods`), built by name
+    through its `create`."""
 
     def wrap(cls: type[Proposer]) -> type[Proposer]:
+        if name not in methods.METHODS:
+            raise ValueError(f"proposer {cls.__name__}: {name!r} is not in llm_engine.methods")
         _REGISTRY[name] = cls
         return cls
 
     return wrap
 
 
-def proposer_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def model_settings() -> dict[str, str]:
-    """Methods that draft with a model, and the engine setting naming it."""
-    return {name: cls.model_setting for name, cls in sorted(_REGISTRY.items())
-            if cls.model_setting is not None}
-
-
-def check_method(name: str, what: str = "proposer") -> None:
-    """Refuse a method that is neither a registered name nor "<combining>+<method>"."""
-    outer, _, inner = name.partition("+")
-    if outer not in _REGISTRY:
-        known = ", ".join(proposer_names())
-        raise ValueError(f"unknown {what} {name!r}; known: {known} (or grammar+<one>)")
-    if inner:
-        if not _REGISTRY[outer].combines:
-            raise ValueError(f"{what} {outer!r} does not combine with another: {name!r}")
-        check_method(inner, what)
-
-
-def model_setting(name: str) -> str | None:
-    """The engine setting naming the model a method drafts with: a combined method's innermost."""
-    return _REGISTRY[name.rpartition("+")[2]].model_setting
+def registered() -> dict[str, type[Proposer]]:
+    return dict(_REGISTRY)
 
 
 def make_proposer(
     name: str, spec: SpeculationConfig, model: torch.nn.Module | None = None
 ) -> Proposer:
-    check_method(name)
+    methods.check(name)
     outer, _, inner = name.partition("+")
     if inner:
         return _REGISTRY[outer].around(make_proposer(inner, spec, model))

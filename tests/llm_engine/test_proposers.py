@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_engine import kv
+from llm_engine import kv, methods
 from llm_engine.config import SamplingConfig, SpeculationConfig
-from llm_engine.proposers import ProposeContext, make_proposer, proposer_names, register
+from llm_engine.proposers import ProposeContext, make_proposer, register, registered
 from llm_engine.proposers.base import _REGISTRY
 from llm_engine.proposers.ngram import NgramProposer
 from llm_engine.sampling import make_generator
@@ -34,7 +34,7 @@ def test_registry_builds_each_method_by_name(target):
         proposer = make_proposer(name, SpeculationConfig(), target)
         proposer.begin([5, 6, 7])
         proposer.release()
-    assert {"off", "ngram", "draft", "eagle"} <= set(proposer_names())
+    assert set(registered()) == set(methods.names())
 
 
 def test_unknown_method_is_refused_with_the_known_names():
@@ -47,7 +47,9 @@ def test_draft_method_without_a_model_is_refused():
         make_proposer("draft", SpeculationConfig())
 
 
-def test_register_adds_a_method_without_touching_the_engine():
+def test_register_adds_a_method_without_touching_the_engine(monkeypatch):
+    monkeypatch.setitem(methods.METHODS, "test-repeat", methods.Method("test-repeat", "a test"))
+
     @register("test-repeat")
     class RepeatLast(NgramProposer):
         @classmethod
@@ -58,6 +60,11 @@ def test_register_adds_a_method_without_touching_the_engine():
         assert isinstance(make_proposer("test-repeat", SpeculationConfig()), RepeatLast)
     finally:
         del _REGISTRY["test-repeat"]
+
+
+def test_a_proposer_of_a_method_the_list_lacks_is_refused():
+    with pytest.raises(ValueError, match="not in llm_engine.methods"):
+        register("medusa")(NgramProposer)
 
 
 # -- off ------------------------------------------------------------------------------------------

@@ -203,10 +203,13 @@ def test_bars_on_a_terminal_but_not_with_json(monkeypatch):
     assert not logs.bars_enabled()
 
 
-def test_the_help_names_every_registered_proposer():
-    from llm_engine.proposers import proposer_names
+def test_the_help_names_every_speculation_method(capsys):
+    from llm_engine import methods
 
-    assert all(name in cli.METHODS_HELP for name in proposer_names())
+    with pytest.raises(SystemExit):
+        cli.main(["chat", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert all(name in shown for name in methods.names()) and "grammar+<one>" in shown
 
 
 def test_the_cli_answers_help_without_importing_torch():
@@ -219,7 +222,7 @@ def test_a_bad_method_is_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit) as exited:
         cli.main(["chat", "hi", "--speculative", "magic"])
     assert exited.value.code == 2
-    assert "unknown proposer 'magic'" in capsys.readouterr().err
+    assert "unknown speculation method 'magic'" in capsys.readouterr().err
 
 
 def test_a_mistyped_method_flag_suggests_the_nearest(capsys):

@@ -23,10 +23,10 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from llm_engine import methods
 from llm_engine.config import SamplingConfig
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.prompts import encode_chat
-from llm_engine.proposers import check_method
 from voiceagent import logs
 from voiceagent.bench.engine import machine_info
 from voiceagent.config import Config
@@ -120,7 +120,7 @@ def run_batch_bench(cfg: Config, args) -> int:
     modes = [m.strip() for m in (args.modes or f"off,{cfg.engine.speculation.method}").split(",")]
     modes = list(dict.fromkeys(m for m in modes if m))
     for mode in modes:
-        check_method(mode, "method")
+        methods.check(mode, "method")
     started, load_at_start = datetime.now(UTC), os.getloadavg()[0]
     runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, logs.write, also=modes)
     engine, tokenizer = runtime.engine, runtime.target.tokenizer

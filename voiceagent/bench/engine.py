@@ -31,13 +31,12 @@ import torch
 import transformers
 from transformers.generation.streamers import BaseStreamer
 
-from llm_engine import formats
+from llm_engine import formats, methods
 from llm_engine.config import GrammarSpec, SamplingConfig
 from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.grammar import parse_tool_call, tool_functions
 from llm_engine.prompts import encode_chat
-from llm_engine.proposers import check_method, model_setting
 from llm_engine.runner import EagerRunner
 from llm_engine.sampling import is_greedy
 from voiceagent import logs
@@ -453,10 +452,10 @@ def settings_from_args(args, cfg: Config) -> BenchSettings:
                  + (["eagle"] if cfg.engine.eagle else []))
     for mode in modes:
         try:
-            check_method(mode, "method")
+            methods.check(mode, "method")
         except ValueError as exc:  # it names the part it refuses: say which mode held it
             raise ValueError(f"mode {mode!r}: {exc}") from None
-        setting = model_setting(mode)
+        setting = methods.model_setting(mode)
         if setting and not getattr(cfg.engine, setting):
             raise ValueError(f"mode {mode!r} needs {NEEDS[setting]}: "
                              f"--set engine.{setting}=NAME_OR_PATH")

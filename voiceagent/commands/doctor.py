@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
-from llm_engine.proposers import model_settings
+from llm_engine.methods import model_settings
 from voiceagent.config import CONFIGS_DIR, REPO_ROOT, Config
 
 if TYPE_CHECKING:
