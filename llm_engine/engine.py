@@ -565,9 +565,16 @@ class SpeculativeEngine:
 
     def compile_grammars(self, specs: list[GrammarSpec]) -> None:
         """Compile grammars ahead of the requests that use them: a request starts on its caller's
-        thread (an event loop), and a tool list's first compile takes a few hundred ms."""
+        thread (an event loop), and a tool list's first compile takes a few hundred ms. The cache
+        keeps them all: it grows to hold these with room for others."""
+        cache = self._grammar_cache()
+        cache.size = max(cache.size, 2 * len(specs))
         for spec in specs:
-            self._grammar_cache().compile(spec)
+            cache.compile(spec)
+
+    def compiled_grammars(self) -> int:
+        """How many grammars are compiled and kept."""
+        return len(self._grammars) if self._grammars is not None else 0
 
     def _grammar_cache(self) -> GrammarCache:
         if self._grammars is None:

@@ -158,6 +158,9 @@ class GrammarCache:
         self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()  # requests start on the callers' threads
 
+    def __len__(self) -> int:
+        return len(self._compiled)
+
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         key = _key(spec)
         with self._lock:

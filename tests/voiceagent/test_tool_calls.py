@@ -34,7 +34,7 @@ from tests.voiceagent.scripted_engine import RecordingAsyncEngine, ScriptedEngin
 from voiceagent.config import AgentConfig
 from voiceagent.pipeline.chat_backend import EngineChat
 from voiceagent.pipeline.llm_service import SpeculativeLLMService
-from voiceagent.pipeline.tool_calls import register_tools
+from voiceagent.pipeline.tool_calls import ToolPolicy, register_tools
 from voiceagent.tools import load_tools
 
 RUNS: list[tuple[str, dict]] = []  # what the test handlers were called with
@@ -127,7 +127,7 @@ class Probe(FrameProcessor):
 async def _run(serving, tokenizer, context: LLMContext, frames: list, system_prompt="Be brief.",
                tools=TOOLS, **agent) -> Probe:
     llm = SpeculativeLLMService(EngineChat(serving, tokenizer), session_id="call-1",
-                                system_prompt=system_prompt, tools=tools)
+                                system_prompt=system_prompt, tools=ToolPolicy(tuple(tools)))
     register_tools(llm, tools, AgentConfig(**{"tool_filler_after_s": 0.3, **agent}))
     probe = Probe()
     await asyncio.wait_for(
@@ -326,3 +326,31 @@ async def test_a_call_is_drafted_through_the_grammar_whatever_the_calls_method(
 
     call = (await serving.handles[1].result()).stats
     assert call.method == "grammar+ngram" and call.grammar_drafted > 0
+
+
+# -- the tool policy ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("words", ["Hello there.", "Where is my order 48213?",
+                                   "A slow order, and then bye.", "peek broken slow order bye"])
+def test_every_tool_use_the_policy_decides_is_one_it_lists_for_start_up(words):
+    policy = ToolPolicy(TOOLS, max_calls=2)
+    uses = policy.every_use()
+    asked = [{"role": "user", "content": words}]
+    called = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}
+    result = {"role": "tool", "tool_call_id": "c", "content": "{}"}
+    for messages in (asked, [*asked, called, result], [*asked, called, result, called, result]):
+        assert policy.for_messages(messages) in uses, messages
+
+
+async def test_a_turn_that_triggers_two_tools_compiles_no_grammar(make_serving, tokenizer):
+    serving, context = make_serving(), LLMContext()
+    policy = ToolPolicy(TOOLS)
+    EngineChat(serving, tokenizer).prepare_tools(policy.every_use())
+    compiled = serving.engine.compiled_grammars()
+    assert compiled == len(policy.every_use())
+    assert policy.first("A slow order, please").required == ("record_order", "slow_check")
+
+    await _run(serving, tokenizer, context,
+               [_user(context, "A slow order, please: 48213."), SleepFrame(sleep=3)])
+    assert serving.engine.compiled_grammars() == compiled

@@ -30,7 +30,8 @@ from voiceagent import logs
 from voiceagent.config import PROMPTS_DIR, Config, load_config
 from voiceagent.llm_setup import build_runtime
 from voiceagent.pipeline.chat_backend import EngineChat, ToolUse
-from voiceagent.pipeline.llm_service import SpeculativeLLMService, chat_messages
+from voiceagent.pipeline.llm_service import chat_messages
+from voiceagent.pipeline.tool_calls import ToolPolicy
 from voiceagent.tools import Tool, load_tools
 
 ECHO_PROMPTS = PROMPTS_DIR / "echo_v1.yaml"
@@ -143,9 +144,8 @@ async def _turn(chat: EngineChat, cfg: Config, tools: list[Tool], session: str,
                 segment: str, caller: str) -> Turn:
     context = LLMContext(messages=[{"role": "user", "content": caller}])
     system, examples = cfg.agent.system_prompt, cfg.agent.example_messages()
-    schemas = [t.schema for t in tools]
-    use = ToolUse(schemas, tuple(t.name for t in tools if t.triggered_by(caller))) if tools \
-        else None
+    policy = ToolPolicy(tuple(tools), cfg.agent.max_tool_calls)
+    use = policy.first(caller) if tools else None
     called, ttft, decode_ms, decode_tokens = [], None, 0.0, 0
     for _ in range(cfg.agent.max_tool_calls + 1):
         messages = chat_messages(context, system, examples)
@@ -169,8 +169,7 @@ async def _turn(chat: EngineChat, cfg: Config, tools: list[Tool], session: str,
                                      "arguments": json.dumps(call.get("arguments") or {})}}]})
             context.add_message({"role": "tool", "tool_call_id": call_id,
                                  "content": json.dumps(result.content)})
-        calls_left = cfg.agent.max_tool_calls - len(called)
-        use = ToolUse(schemas) if calls_left > 0 else SpeculativeLLMService.answer_tools(schemas)
+        use = policy.after(len(called))
     reply = done.text.strip()
     return Turn(segment, caller, reply, echoes(caller, reply), len(words(reply)), called, ttft,
                 decode_ms, decode_tokens)
@@ -244,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, logs.write))
     chat = EngineChat(serving, runtime.target.tokenizer)
     if tools:
-        schemas = [t.schema for t in tools]
-        chat.prepare_tools([ToolUse(schemas), SpeculativeLLMService.answer_tools(schemas),
-                            *(ToolUse(schemas, (t.name,)) for t in tools if t.triggers)])
+        chat.prepare_tools(ToolPolicy(tuple(tools), cfg.agent.max_tool_calls).every_use())
 
     notes = {name: str((v or {}).get("note", "")) for name, v in variants.items()}
 

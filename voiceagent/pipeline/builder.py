@@ -39,7 +39,7 @@ from llm_engine.prompts import encode_chat
 from llm_engine.serving import AsyncEngine
 from voiceagent.config import Config, LLMConfig, TurnConfig
 from voiceagent.llm_setup import LLMRuntime, build_runtime
-from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat, ToolUse
+from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat
 from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.held_reply import HeldReplyGate
@@ -47,7 +47,7 @@ from voiceagent.pipeline.llm_service import SpeculativeLLMService
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.pipeline.speech_models import SpeechModels
 from voiceagent.pipeline.stt import make_stt
-from voiceagent.pipeline.tool_calls import register_tools
+from voiceagent.pipeline.tool_calls import ToolPolicy, register_tools
 from voiceagent.pipeline.tts import make_tts
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.turns import turn_strategies
@@ -100,10 +100,9 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     try:
         local = EngineChat(engine, llm.target.tokenizer) if engine is not None else None
         if tools and local is not None:
-            progress(f"compiling the grammars of {len(tools)} tool(s) ...")
-            schemas = [t.schema for t in tools]
-            local.prepare_tools([ToolUse(schemas), SpeculativeLLMService.answer_tools(schemas),
-                                 *(ToolUse(schemas, (t.name,)) for t in tools if t.triggers)])
+            uses = ToolPolicy(tuple(tools), cfg.agent.max_tool_calls).every_use()
+            progress(f"compiling the {len(uses)} grammars of {len(tools)} tool(s) ...")
+            local.prepare_tools(uses)
         chat = local if cfg.llm.backend == "engine" else _remote(cfg.llm, cfg, progress)
         if fallback is not None:
             second = local if fallback.backend == "engine" else _remote(fallback, cfg, progress)
@@ -193,8 +192,7 @@ def build_call(
         sampling=cfg.engine.sampling,  # this call's config's, which may differ from the engine's
         method=method,
         context=context if cfg.turn.prepare else None,
-        tools=tools,
-        max_tool_calls=cfg.agent.max_tool_calls,
+        tools=ToolPolicy(tuple(tools), cfg.agent.max_tool_calls),
         examples=cfg.agent.example_messages(),
         error_reply=cfg.agent.error_reply,
     )

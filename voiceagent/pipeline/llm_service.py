@@ -124,14 +124,12 @@ from pipecat.utils.errors import ErrorCategory
 
 from llm_engine.config import SamplingConfig
 from llm_engine.serving import Completion
-from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle, ToolUse
+from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
-from voiceagent.tools import Tool
+from voiceagent.pipeline.tool_calls import ToolPolicy
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# A spoken reply has no markup; a small model answering a tool's result copies the call's.
-_MARKUP = ("<", "{")
 _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a cancelled request
 
 
@@ -197,17 +195,15 @@ class SpeculativeLLMService(LLMService):
         sampling: SamplingConfig | None = None,
         method: str | None = None,
         context: LLMContext | None = None,
-        tools: Sequence[Tool] = (),
-        max_tool_calls: int = 1,
+        tools: ToolPolicy | None = None,
         examples: Sequence[dict[str, Any]] = (),
         error_reply: str = "",
         **kwargs,
     ):
         """`sampling` and `method` override the engine config's; None keeps them. `context`: the
         call's conversation, for prefilling the caller's words while they speak (None: off).
-        `tools`: what the model may call (their handlers are registered by tool_calls.py), at
-        most `max_tool_calls` times a turn: then the reply must be words (a small model would
-        call again and again). `examples`: an example exchange after the system prompt.
+        `tools`: what each request may call (their handlers are registered by tool_calls.py).
+        `examples`: an example exchange after the system prompt.
         `error_reply`: what the caller hears when a turn's request fails ("": nothing)."""
         # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
@@ -240,8 +236,7 @@ class SpeculativeLLMService(LLMService):
         # The latest prefill-only request (the system prompt, or the caller's words so far): the
         # next reply's prefix.
         self._prefill: asyncio.Task | None = None
-        self._tools = list(tools)
-        self._max_tool_calls = max_tool_calls
+        self._tools = tools or ToolPolicy(())
         self._examples = list(examples)
         self._error_reply = error_reply
         self._ending = False  # a tool ended the call: the next finished reply is the last
@@ -345,7 +340,7 @@ class SpeculativeLLMService(LLMService):
         one = SamplingConfig(max_new_tokens=1)
         try:
             handle = self._chat.submit(messages, one, self._session_id, self._method,
-                                       self._tool_use(messages))
+                                       self._tools.for_messages(messages))
         except ValueError as exc:  # over max_context: the real turn reports it
             logger.warning(f"{self}: prefill refused: {exc}")
             return
@@ -354,28 +349,6 @@ class SpeculativeLLMService(LLMService):
     def _messages(self, context: LLMContext) -> list[dict[str, Any]]:
         system = self._settings.system_instruction
         return chat_messages(context, system if isinstance(system, str) else None, self._examples)
-
-    def _tool_use(self, messages: list[dict[str, Any]]) -> ToolUse | None:
-        """The tools this request may call: all of them, a call required when the caller's words
-        (not a tool's result) match some tools' triggers, none once the turn's calls are used."""
-        if not self._tools:
-            return None
-        schemas = [t.schema for t in self._tools]
-        last = messages[-1] if messages else {}
-        if last.get("role") == "user":
-            words = last.get("content") or ""
-            return ToolUse(schemas, tuple(t.name for t in self._tools if t.triggered_by(words)))
-        turn = messages[max((i for i, m in enumerate(messages) if m["role"] == "user"),
-                            default=-1) + 1:]
-        calls = sum(len(m.get("tool_calls") or ()) for m in turn)
-        if calls < self._max_tool_calls:
-            return ToolUse(schemas)
-        return self.answer_tools(schemas)
-
-    @staticmethod
-    def answer_tools(schemas: list[dict]) -> ToolUse:
-        """A reply that must answer in words, with the tools still in its prompt."""
-        return ToolUse(schemas, allowed=False, exclude=_MARKUP)
 
     async def stop(self, frame: EndFrame):
         # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending
@@ -417,7 +390,7 @@ class SpeculativeLLMService(LLMService):
         try:
             messages = self._messages(context)
             handle = self._chat.submit(messages, self._sampling, self._session_id, self._method,
-                                       self._tool_use(messages))
+                                       self._tools.for_messages(messages))
         except Exception as exc:  # a refused prompt must not take the call down
             # ValueError is the prompt itself (too long for max_context, empty): the context is
             # at fault, not the service, so pipecat must not mark the service unusable.

@@ -1,4 +1,8 @@
-"""The call's tools as pipecat function handlers on its LLM service.
+"""The call's tools: which ones each request may call (`ToolPolicy`), and the tools as pipecat
+function handlers on the call's LLM service.
+
+`ToolPolicy` decides for the call's service and the echo bench alike, and lists every tool use it
+can return, so that start-up compiles exactly those grammars and no call compiles one.
 
 Each configured tool (voiceagent.tools) is registered with `LLMService.register_function`, so a
 tool call travels pipecat's own flow (llm_service.py's module doc). The handler adds what a call
@@ -14,14 +18,69 @@ result at once, without a second request to the model.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pipecat.frames.frames import FunctionCallResultProperties, TTSSpeakFrame
 from pipecat.services.llm_service import FunctionCallParams
 
 from voiceagent.config import AgentConfig
-from voiceagent.pipeline.llm_service import SpeculativeLLMService
+from voiceagent.pipeline.chat_backend import ToolUse
 from voiceagent.tools import Tool, ToolResult
+
+if TYPE_CHECKING:
+    from voiceagent.pipeline.llm_service import SpeculativeLLMService
+
+# A spoken reply has no markup; a small model answering a tool's result copies the call's.
+_MARKUP = ("<", "{")
+
+
+@dataclass(frozen=True)
+class ToolPolicy:
+    """What each request of a turn may call: every tool is shown; a call is required when the
+    caller's words match some tools' triggers; once the turn has made `max_calls` calls, the
+    reply must be words (a small model would call again and again)."""
+
+    tools: tuple[Tool, ...]
+    max_calls: int = 1
+
+    @property
+    def schemas(self) -> list[dict]:
+        return [t.schema for t in self.tools]
+
+    def first(self, words: str) -> ToolUse:
+        """The turn's first request, on the caller's words."""
+        return ToolUse(self.schemas, tuple(t.name for t in self.tools if t.triggered_by(words)))
+
+    def after(self, calls: int) -> ToolUse:
+        """A request after the turn's `calls` tool calls and their results."""
+        if calls < self.max_calls:
+            return ToolUse(self.schemas)
+        return ToolUse(self.schemas, allowed=False, exclude=_MARKUP)
+
+    def for_messages(self, messages: list[dict[str, Any]]) -> ToolUse | None:
+        """The request on this conversation: after the caller's words, or after tool results."""
+        if not self.tools:
+            return None
+        last = messages[-1] if messages else {}
+        if last.get("role") == "user":
+            return self.first(last.get("content") or "")
+        turn = messages[max((i for i, m in enumerate(messages) if m["role"] == "user"),
+                            default=-1) + 1:]
+        return self.after(sum(len(m.get("tool_calls") or ()) for m in turn))
+
+    def every_use(self) -> list[ToolUse]:
+        """Every tool use the methods above can return: the grammars to compile at start-up
+        (with n tools that have triggers, 2^n - 1 required sets)."""
+        if not self.tools:
+            return []
+        triggered = [t.name for t in self.tools if t.triggers]
+        required = [combo for n in range(1, len(triggered) + 1)
+                    for combo in itertools.combinations(triggered, n)]
+        return [self.after(0), self.after(self.max_calls),
+                *(ToolUse(self.schemas, combo) for combo in required)]
 
 
 def register_tools(llm: SpeculativeLLMService, tools: Sequence[Tool], agent: AgentConfig) -> None:
