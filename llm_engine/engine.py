@@ -65,13 +65,14 @@ class RequestState:
     method: str
     token_ids: list[int]  # committed tokens, prompt first; the target cache holds all but the last
     cache: DynamicCache | None
-    generator: torch.Generator  # draws in step order: draft-model drafts and verify_sampling
-    noise_seed: int  # seeds each position's Gumbel noise for verify_gumbel
-    proposer: Proposer
     draft_length: DraftLength
     gate: CostGate
     stats: RequestStats
     t_start: float
+    # Built at the first step, on the thread that steps requests (`SpeculativeEngine._equip`):
+    generator: torch.Generator | None = None  # draws in step order: drafts and verify_sampling
+    noise_seed: int = 0  # seeds each position's Gumbel noise for verify_gumbel
+    proposer: Proposer | None = None
     grammar: GrammarState | None = None  # a constrained request's matcher (`llm_engine.grammar`)
     reuse_len: int = 0  # prompt tokens whose KV came from the session cache
     prefilled: bool = False
@@ -182,8 +183,9 @@ class SpeculativeEngine:
         session_id: str | None = None,
         method: str | None = None,
     ) -> RequestState:
-        """Create a request. No model work happens here; the first step() takes the session's
-        prefix cache and prefills."""
+        """Create a request: checks in plain Python, no torch, so a caller on an event loop may
+        call it. The first step() builds the proposer, the generator and the grammar's matcher,
+        takes the session's prefix cache and prefills."""
         sampling = sampling or self.config.sampling
         method = method or self.spec.method
         prompt_ids = list(prompt_ids)
@@ -191,16 +193,18 @@ class SpeculativeEngine:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.config.max_context:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens >= max_context")
-        proposer = self._new_proposer(method)
-        grammar = self._grammar_state(sampling)
+        methods.check(method)
+        setting = methods.model_setting(method)
+        if setting is not None and setting not in self._models():
+            raise ValueError(f"speculation method {method!r} needs a model in engine.{setting}")
+        if sampling.grammar is not None and self.tokenizer is None:
+            raise ValueError("a grammar needs the engine's tokenizer")
         spec = self.spec
-        generator = make_generator(sampling.seed, self.device)
         # Drafts without q are verified with per-position noise, so their tokens do not depend on
         # the K schedule. A sampling draft model's do: it draws from the generator in step order,
         # and a timing-driven gate would make a seeded request's tokens vary between runs.
-        timing_free = (
-            not is_greedy(sampling) and sampling.seed is not None and proposer.samples_drafts
-        )
+        samples = methods.METHODS[method.rpartition("+")[2]].samples_drafts
+        timing_free = not is_greedy(sampling) and sampling.seed is not None and samples
         return RequestState(
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -208,10 +212,6 @@ class SpeculativeEngine:
             method=method,
             token_ids=list(prompt_ids),
             cache=None,
-            generator=generator,
-            # The seed itself when there is one; else the generator's fresh random seed.
-            noise_seed=generator.initial_seed(),
-            proposer=proposer,
             # A combined method ("grammar+draft") costs what its model proposer costs.
             draft_length=DraftLength(
                 self.cost_model, method.rpartition("+")[2], spec.num_draft_tokens,
@@ -227,8 +227,15 @@ class SpeculativeEngine:
             ),
             stats=RequestStats(method=method, prompt_tokens=len(prompt_ids)),
             t_start=time.perf_counter(),
-            grammar=grammar,
         )
+
+    def _equip(self, state: RequestState) -> None:
+        """What start() leaves to the first step: the proposer, the generator (the seed itself
+        when there is one; else a fresh random one) and a constrained request's matcher."""
+        state.proposer = self._new_proposer(state.method)
+        state.grammar = self._grammar_state(state.sampling)
+        state.generator = make_generator(state.sampling.seed, self.device)
+        state.noise_seed = state.generator.initial_seed()
 
     def step(self, state: RequestState) -> list[int]:
         """Advance one step and return the newly committed token ids (EOS included, if hit)."""
@@ -312,7 +319,7 @@ class SpeculativeEngine:
             self._keep_session(
                 state.session_id, _SessionKV(cached, state.cache, state.proposer, state.method)
             )
-        else:
+        elif state.proposer is not None:  # None: it never took a step
             state.proposer.release()
         state.cache = None
 
@@ -498,6 +505,7 @@ class SpeculativeEngine:
         cancelled just before this one was submitted (an early reply discarded because the caller
         went on) has released its cache by then, so its prefix is reused, not prefilled again.
         """
+        self._equip(state)
         cache, proposer, state.reuse_len = self._take_session(
             state.session_id, state.prompt_ids, state.method, state.proposer)
         state.cache, state.proposer = cache, proposer

@@ -2,6 +2,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
@@ -265,3 +266,35 @@ def test_a_build_that_fails_raises_its_error_and_serves_nothing():
 
     with pytest.raises(OSError, match="weights not found"):
         AsyncEngine.build(fail)
+
+
+async def test_the_event_loop_runs_no_torch_and_compiles_no_grammar(target, draft, tokenizer):
+    from llm_engine.grammar import GrammarSpec
+    from tests.loop_guard import torch_calls_on_this_thread
+
+    engine = SpeculativeEngine(target, tokenizer, _config(), draft_model=draft)
+    serving = AsyncEngine(engine)
+    prompt = _prompt(tokenizer, "Please confirm the booking.")
+    day = {"type": "object", "properties": {"day": {"type": "string"}}}
+    tools = GrammarSpec(kind="tools", tool_choice="required",
+                        tools=[{"name": "book", "parameters": day}])
+    requests = [{}, {"method": "draft", "sampling": SamplingConfig(temperature=0.8, seed=7,
+                                                                    max_new_tokens=8)},
+                {"method": "grammar+ngram", "sampling": SamplingConfig(grammar=tools)}]
+    try:
+        with torch_calls_on_this_thread() as hits:
+            handles = [serving.submit(prompt, **kwargs) for kwargs in requests]
+            results = [await handle.result() for handle in handles]
+        assert all(r.finish_reason in ("eos", "length") for r in results), results
+        assert engine.compiled_grammars() == 1  # compiled, on the worker
+        assert hits == []
+    finally:
+        serving.close()
+
+
+def test_the_guard_sees_torch_on_its_thread():
+    from tests.loop_guard import torch_calls_on_this_thread
+
+    with torch_calls_on_this_thread() as hits:
+        torch.Generator().manual_seed(1)
+    assert hits

@@ -354,3 +354,14 @@ async def test_a_turn_that_triggers_two_tools_compiles_no_grammar(make_serving, 
     await _run(serving, tokenizer, context,
                [_user(context, "A slow order, please: 48213."), SleepFrame(sleep=3)])
     assert serving.engine.compiled_grammars() == compiled
+
+
+async def test_a_turn_with_a_tool_call_runs_no_torch_on_the_event_loop(make_serving, tokenizer):
+    from tests.loop_guard import torch_calls_on_this_thread
+
+    serving, context = make_serving(), LLMContext()  # nothing compiled ahead: the worker does
+    with torch_calls_on_this_thread() as hits:
+        await _run(serving, tokenizer, context,
+                   [_user(context, "Where is my order 48213?"), SleepFrame(sleep=3)])
+    assert [name for name, _ in RUNS] == ["record_order"]
+    assert hits == []
