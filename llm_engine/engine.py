@@ -42,7 +42,7 @@ from llm_engine.sampling import (
     make_generator,
     penalize,
 )
-from llm_engine.stats import EngineTotals, RequestStats, StepStats
+from llm_engine.stats import EngineTotals, FinishReason, RequestStats, StepStats
 from llm_engine.verify import (
     VerifyResult,
     clip_committed,
@@ -77,7 +77,7 @@ class RequestState:
     reuse_len: int = 0  # prompt tokens whose KV came from the session cache
     prefilled: bool = False
     finished: bool = False
-    finish_reason: str | None = None  # 'eos' | 'length' | 'stop' | 'cancelled' | 'error'
+    finish_reason: FinishReason | None = None
     cancelled: bool = False  # set from any thread; honoured at the next step boundary
     cancel_reason: str = "cancelled"  # the finish_reason a cancel ends with: or 'stop', 'error'
     cancel_time: float | None = None

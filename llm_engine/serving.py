@@ -41,7 +41,7 @@ from llm_engine.config import SamplingConfig
 from llm_engine.detok import IncrementalDetokenizer, StopMatcher
 from llm_engine.engine import RequestState, SpeculativeEngine
 from llm_engine.grammar import ToolCallSplitter
-from llm_engine.stats import RequestStats
+from llm_engine.stats import FinishReason, RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class TextDelta:
 class Completion:
     text: str  # everything emitted (stop strings excluded)
     token_ids: list[int]  # every token the engine committed
-    finish_reason: str  # 'eos' | 'length' | 'stop' | 'cancelled' | 'error'
+    finish_reason: FinishReason
     stats: RequestStats
     error: str | None = None
     # A 'tools' request's call ({"name", "arguments"}), parsed out of `text`, which then holds

@@ -7,7 +7,23 @@ time to first token and each inter-token latency.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
+
+# How a request ended: its EOS, its token budget, a stop string, cancelled by its caller, failed.
+FinishReason = Literal["eos", "length", "stop", "cancelled", "error"]
+
+
+def decode_rate(token_times_ms: Sequence[float]) -> float | None:
+    """Decode rate in tokens/s: tokens after the first over the time since the first (prefill
+    excluded); None for fewer than two tokens."""
+    times = token_times_ms
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return (len(times) - 1) * 1000.0 / (times[-1] - times[0])
 
 
 @dataclass
@@ -38,7 +54,7 @@ class RequestStats:
     accepted_by_pos: list[int] = field(default_factory=list)  # steps that accepted position i
     accept_len_hist: list[int] = field(default_factory=list)  # [n] = speculative steps accepting n
     gated_off: bool = False  # the cost gate turned speculation off at least once
-    finish_reason: str | None = None  # 'eos' | 'length' | 'stop' | 'cancelled' | 'error'
+    finish_reason: FinishReason | None = None
     cancel_to_stop_ms: float | None = None  # a caller's cancel honoured; async layer may refine
     generated_tokens: int = 0
     total_ms: float = 0.0  # from start() to the finish
@@ -93,11 +109,7 @@ class RequestStats:
 
     @property
     def tokens_per_s(self) -> float | None:
-        """Decode rate: tokens after the first over the time since the first (prefill excluded)."""
-        times = self.token_times_ms
-        if len(times) < 2 or times[-1] <= times[0]:
-            return None
-        return (len(times) - 1) * 1000.0 / (times[-1] - times[0])
+        return decode_rate(self.token_times_ms)
 
     @property
     def draft_ms(self) -> float:
@@ -106,6 +118,21 @@ class RequestStats:
     @property
     def verify_ms(self) -> float:
         return sum(s.verify_ms for s in self.steps)
+
+    def merge(self, later: RequestStats) -> RequestStats:
+        """This request and a `later` one of the same turn (a tool call, then the reply) as one,
+        of the later one's type: the per-token and per-step lists joined and the counts added, so
+        the turn's ITL and speculation figures cover both generations; the times from a request's
+        start (prefill, first token, token times, total) and the outcome stay the later one's,
+        the one that spoke."""
+        joined = {name: getattr(self, name) + getattr(later, name)
+                  for name in ("itl_ms", "steps", "k_history", "prompt_tokens", "prefill_tokens",
+                               "reused_prefix_tokens", "generated_tokens")}
+        summed = {name: [sum(pair) for pair in itertools.zip_longest(
+                      getattr(self, name), getattr(later, name), fillvalue=0)]
+                  for name in ("drafted_by_pos", "accepted_by_pos", "accept_len_hist")}
+        return dataclasses.replace(later, **joined, **summed,
+                                   gated_off=self.gated_off or later.gated_off)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -129,7 +156,8 @@ class RequestStats:
         step_names = {f.name for f in fields(StepStats)}
         known = {k: v for k, v in data.items() if k in names}
         known["steps"] = [StepStats(**{k: v for k, v in s.items() if k in step_names})
-                          for s in known.get("steps", [])]
+                          for s in known.get("steps") or []]
+        known.setdefault("method", "unknown")
         return cls(**known)
 
 

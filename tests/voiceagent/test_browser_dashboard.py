@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
+from llm_engine.stats import StepStats
 from tests.audio.speech import silence, speech
 from tests.voiceagent import browser
 from tests.voiceagent.server_proc import log_tail, running_server
@@ -127,10 +128,10 @@ def _store_twilio_call(cfg) -> None:
           [(2, 2, 2), (4, 4, 4), (6, 6, 1), (6, 6, 6), (6, 6, 0)])
     for n, turn_ks in enumerate(ks, 1):
         record = make_turn(TWILIO_CALL_ID, n, started + n)
-        record.engine["steps"] = [
-            {"k": k, "drafted": d, "accepted": a, "rejection_pos": None if a == d else a,
-             "committed": a + 1, "draft_ms": 0.5, "verify_ms": 60.0} for k, d, a in turn_ks]
-        record.engine["k_history"] = [k for k, _, _ in turn_ks]
+        record.engine.steps = [
+            StepStats(k=k, drafted=d, accepted=a, rejection_pos=None if a == d else a,
+                      committed=a + 1, draft_ms=0.5, verify_ms=60.0) for k, d, a in turn_ks]
+        record.engine.k_history = [k for k, _, _ in turn_ks]
         store.write(record)
     store.flush()
     store.close()

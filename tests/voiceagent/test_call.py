@@ -44,7 +44,7 @@ async def test_one_utterance_call_answers_with_speech_and_three_clocks(cfg, shar
     assert clocks.request_to_first_token_ms > 0
     assert clocks.itl_ms.p50 is not None and clocks.itl_ms.p50 >= 0
     assert 0 < clocks.turn_end_to_first_audio_ms < 10_000
-    assert turn.engine["finish_reason"] in ("eos", "length")
+    assert turn.engine.finish_reason in ("eos", "length")
     assert result.jsonl.exists()
 
 
@@ -53,7 +53,7 @@ async def test_two_utterances_make_two_turns_with_shared_context(cfg, shared):
     result = await simulate_call(cfg, shared, audio)
     assert len(result.turns) == 2
     second = result.turns[1]
-    assert second.engine["reused_prefix_tokens"] > 0  # turn 1's KV was reused, not re-prefilled
+    assert second.engine.reused_prefix_tokens > 0  # turn 1's KV was reused, not re-prefilled
     users = [m["content"] for m in result.messages if m["role"] == "user"]
     assert len(users) == 2 and "capital" in users[0].lower()
     assert any(m["role"] == "assistant" for m in result.messages[: result.messages.index(
@@ -68,7 +68,7 @@ async def test_barge_in_silences_the_bot_and_keeps_only_what_was_spoken(cfg, sha
     result = await simulate_call(talkative, shared, audio)
     first = result.turns[0]
     assert first.interrupted
-    assert first.engine["finish_reason"] == "cancelled"
+    assert first.engine.finish_reason == "cancelled"
     assert first.barge_in_to_silence_ms is not None
     assert first.barge_in_to_silence_ms < BARGE_IN_BOUND_MS
     heard, generated = " ".join(first.bot_text.split()), " ".join(first.llm_text.split())

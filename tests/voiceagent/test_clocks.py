@@ -1,5 +1,7 @@
 """The clocks observer on scripted frame sequences (no models): what each clock measures."""
 
+import dataclasses
+
 from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     BotStoppedSpeakingFrame,
@@ -27,14 +29,15 @@ from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.transports.base_transport import TransportParams
 
-from voiceagent.pipeline.clocks import ClocksObserver, heard_part, merged_stats
+from llm_engine.stats import RequestStats, StepStats
+from voiceagent.pipeline.clocks import ClocksObserver, heard_part
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserSpeechOnsetFrame
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
     HeldAudioMetricsData,
 )
-from voiceagent.pipeline.turn_record import Percentiles, ToolCall
+from voiceagent.pipeline.turn_record import Percentiles, ToolCall, TurnStats
 
 MS = 1_000_000  # ns
 
@@ -73,7 +76,7 @@ async def talked_over(obs, *, vad_ms, interruption_ms, dropped_ms, silent_ms, st
 
 
 def engine_metrics(interrupted=False, itl=(50.0, 0.0, 60.0)):
-    stats = {"itl_ms": list(itl), "prefill_ms": 80.0, "method": "ngram"}
+    stats = RequestStats(itl_ms=list(itl), prefill_ms=80.0, method="ngram")
     data = EngineStatsMetricsData(
         processor="llm", request_id="r1", interrupted=interrupted,
         finish_reason="cancelled" if interrupted else "eos", stats=stats,
@@ -123,7 +126,7 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
     [r] = records
     assert r.interrupted and r.interruption_to_silence_ms == 30
     assert r.barge_in_to_silence_ms == 150  # from when the caller actually started
-    assert r.engine["interrupted"]
+    assert r.engine.interrupted
 
 
 async def test_barge_in_is_timed_from_the_first_voiced_frame_in_detection_and_stopping():
@@ -255,7 +258,7 @@ def _prepared_metrics(tokens: int, discarded: bool) -> MetricsFrame:
     data = EngineStatsMetricsData(
         processor="llm", request_id="p", interrupted=discarded,
         finish_reason="cancelled" if discarded else "eos",
-        stats={"itl_ms": [50.0], "generated_tokens": tokens, "method": "ngram"},
+        stats=RequestStats(itl_ms=[50.0], generated_tokens=tokens, method="ngram"),
         prepared=True, discarded=discarded,
     )
     return MetricsFrame(data=[data])
@@ -315,8 +318,8 @@ async def broadcast(obs, frame_cls, at_ms, **fields):
 
 
 def request_metrics(request_id, itl, tokens, by_pos):
-    stats = {"itl_ms": list(itl), "prefill_ms": 30.0, "method": "ngram",
-             "generated_tokens": tokens, "drafted_by_pos": list(by_pos), "k_history": [4]}
+    stats = RequestStats(itl_ms=list(itl), prefill_ms=30.0, method="ngram",
+                         generated_tokens=tokens, drafted_by_pos=list(by_pos), k_history=[4])
     return MetricsFrame(data=[EngineStatsMetricsData(
         processor="llm", request_id=request_id, interrupted=False, finish_reason="eos",
         stats=stats)])
@@ -382,8 +385,8 @@ async def test_a_tool_turn_is_one_turn_with_its_tool_call_and_clocks_across_it()
     assert (b.first_clause_ms, b.tts_first_chunk_ms, b.chunk_to_audio_ms) == (50, 150, 10)
     assert b.filler_audio_ms == 760
     # Both requests' stats: the tool call's generation counts too.
-    assert r.engine["itl_ms"] == [10.0, 10.0, 50.0, 70.0] and r.engine["generated_tokens"] == 7
-    assert r.engine["drafted_by_pos"] == [3, 1] and r.engine["request_id"] == "r2"
+    assert r.engine.itl_ms == [10.0, 10.0, 50.0, 70.0] and r.engine.generated_tokens == 7
+    assert r.engine.drafted_by_pos == [3, 1] and r.engine.request_id == "r2"
     assert r.clocks.itl_ms.p50 == 30.0 and r.breakdown.prefill_ms == 30.0
 
 
@@ -477,11 +480,12 @@ async def test_a_barge_in_during_a_tool_call_ends_the_turn_with_the_call_cancell
 
 
 def test_merged_stats_of_a_plain_engine_request_keep_the_derived_figures_right():
-    step = {"k": 2, "drafted": 2, "accepted": 1, "rejection_pos": 1, "committed": 2,
-            "draft_ms": 0.5, "verify_ms": 9.0}
-    one = {"method": "ngram", "steps": [step], "accept_len_hist": [0, 1]}
-    two = {"method": "ngram", "steps": [step, {**step, "accepted": 2, "rejection_pos": None}],
-           "accept_len_hist": [0, 1, 1]}
-    merged = merged_stats(one, two)
-    assert (merged["drafted"], merged["accepted"], merged["accept_len_hist"]) == (6, 4, [0, 2, 1])
-    assert merged["mean_accepted_per_step"] == 4 / 3
+    step = StepStats(k=2, drafted=2, accepted=1, rejection_pos=1, committed=2, draft_ms=0.5,
+                     verify_ms=9.0)
+    one = TurnStats(method="ngram", steps=[step], accept_len_hist=[0, 1], error="first failed")
+    two = TurnStats(method="ngram", accept_len_hist=[0, 1, 1], request_id="r2",
+                    steps=[step, dataclasses.replace(step, accepted=2, rejection_pos=None)])
+    merged = one.merge(two)
+    assert (merged.drafted, merged.accepted, merged.accept_len_hist) == (6, 4, [0, 2, 1])
+    assert merged.mean_accepted_per_step == 4 / 3
+    assert (merged.request_id, merged.error) == ("r2", "first failed")

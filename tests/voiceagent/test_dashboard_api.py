@@ -9,12 +9,19 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llm_engine.stats import StepStats
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
 from tests.voiceagent.turns import make_turn
 from voiceagent.dashboard.stats import overview, speculation
 from voiceagent.pipeline.records import CallInfo
-from voiceagent.pipeline.turn_record import Breakdown, Preparation, ToolCall, TurnRecord
+from voiceagent.pipeline.turn_record import (
+    Breakdown,
+    Preparation,
+    ToolCall,
+    TurnRecord,
+    TurnStats,
+)
 from voiceagent.server.app import create_app
 from voiceagent.sim.twilio_caller import TwilioCaller
 
@@ -131,7 +138,7 @@ async def test_metrics_parse_and_count_the_turns_added(tmp_path):
     assert clock3 == 4
     drafted = sum(v for (name, labels), v in samples.items()
                   if name == "voiceagent_drafted_tokens_total")
-    assert drafted == sum(sum(r.engine["drafted_by_pos"]) for r in records)
+    assert drafted == sum(sum(r.engine.drafted_by_pos) for r in records)
     assert samples[("voiceagent_active_calls", ())] == 0
 
 
@@ -316,7 +323,7 @@ async def test_overview_says_how_many_turns_each_figure_is_over(tmp_path):
     server = app.state.server
     unmeasured = make_turn("call9", 1, 2000.0)
     unmeasured.clocks.turn_end_to_first_audio_ms = None
-    unmeasured.engine = {"method": "ngram"}  # no ITL, no acceptance
+    unmeasured.engine = TurnStats(method="ngram")  # no ITL, no acceptance
     server.records.add(unmeasured)
     server.store.flush()
     async with _client(app) as http:
@@ -353,10 +360,10 @@ async def test_a_call_is_listed_under_its_turns_methods_too(tmp_path):
     assert [(t["call_id"], t["turn"]) for t in turns["turns"]] == [("tools", 1)]
 
 
-def _step(k: int, drafted: int, accepted: int) -> dict:
-    return {"k": k, "drafted": drafted, "accepted": accepted,
-            "rejection_pos": None if accepted == drafted else accepted, "committed": accepted + 1,
-            "draft_ms": 0.5, "verify_ms": 60.0}
+def _step(k: int, drafted: int, accepted: int) -> StepStats:
+    return StepStats(k=k, drafted=drafted, accepted=accepted,
+                     rejection_pos=None if accepted == drafted else accepted,
+                     committed=accepted + 1, draft_ms=0.5, verify_ms=60.0)
 
 
 async def test_a_call_has_each_turns_speculation_figures(tmp_path):
@@ -368,8 +375,8 @@ async def test_a_call_has_each_turns_speculation_figures(tmp_path):
     server.store.start_call(CallInfo("c1", "twilio", 1000.0, "ngram"))
     spec, off = make_turn("c1", 1, 1001.0), make_turn("c1", 2, 1002.0, method="off")
     steps = [_step(4, 4, 2), _step(0, 0, 0), _step(3, 0, 0), _step(3, 3, 3)]
-    spec.engine.update(steps=steps, k_history=[s["k"] for s in steps])
-    off.engine.update(steps=[_step(0, 0, 0)] * 5, k_history=[0] * 5)
+    spec.engine.steps, spec.engine.k_history = steps, [s.k for s in steps]
+    off.engine.steps, off.engine.k_history = [_step(0, 0, 0)] * 5, [0] * 5
     for record in (spec, off):
         server.records.add(record)
     server.store.flush()

@@ -124,5 +124,5 @@ async def test_a_call_whose_primary_hangs_is_answered_by_the_fallback(tmp_path, 
         assert await until(lambda: records, 10)
         await app.state.server.calls.wait_idle(10)
     [record] = next(iter(records.values()))
-    assert record.bot_text and record.engine["method"] == models.chat.name
+    assert record.bot_text and record.engine.method == models.chat.name
     assert failover.failovers >= 1

@@ -112,7 +112,7 @@ async def test_context_streams_start_text_end_and_the_engine_text(make_serving, 
     assert all(f.text for f in down if isinstance(f, LLMTextFrame))
     (stats,) = _engine_stats(down)
     assert not stats.interrupted and stats.finish_reason == "length"
-    assert stats.stats["generated_tokens"] == len(completion.token_ids)
+    assert stats.stats.generated_tokens == len(completion.token_ids)
     assert stats.model == serving.engine.config.target
     expected = encode_chat(
         tokenizer,
@@ -201,7 +201,7 @@ async def test_interruption_cancels_the_engine_request_and_text_stops(make_servi
     assert len(stats) == 2
     first, second = (stats[f"{SESSION}-{n}"] for n in (1, 2))
     assert first.interrupted and first.finish_reason == "cancelled"
-    assert first.stats["finish_reason"] == "cancelled"
+    assert first.stats.finish_reason == "cancelled"
     assert not second.interrupted and second.finish_reason == "length"
 
 

@@ -11,27 +11,27 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_engine.stats import RequestStats, StepStats
+from llm_engine.stats import StepStats
 from tests.audio.speech import speech
 from tests.voiceagent.serving import server_config, serving, twilio_url
 from tests.voiceagent.turns import make_turn
 from voiceagent.cli import main
 from voiceagent.dashboard.stats import method_of
-from voiceagent.pipeline.turn_record import Percentiles
+from voiceagent.pipeline.turn_record import Percentiles, TurnStats
 from voiceagent.server.app import create_app
 from voiceagent.server.webrtc import turn_message
 from voiceagent.sim.twilio_caller import TwilioCaller
 
 
-def _stats(method: str, steps: list[tuple[int, int]], itl: list[float]) -> dict:
+def _stats(method: str, steps: list[tuple[int, int]], itl: list[float]) -> TurnStats:
     """Engine stats with steps of (drafted, accepted); drafted 0 is a plain step."""
-    stats = RequestStats(method=method, itl_ms=list(itl))
+    stats = TurnStats(method=method, itl_ms=list(itl))
     for drafted, accepted in steps:
         stats.record_step(StepStats(
             k=drafted, drafted=drafted, accepted=accepted,
             rejection_pos=accepted if accepted < drafted else None, committed=accepted + 1,
             draft_ms=0.2, verify_ms=30.0))
-    return stats.to_dict()
+    return stats
 
 
 # Turn 1: one speculative step accepting 3 among nine plain steps (per turn: 3.0). Turn 2: four

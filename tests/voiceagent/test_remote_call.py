@@ -44,10 +44,10 @@ async def test_a_call_on_a_remote_llm_has_its_clocks_method_and_speculation(
         assert turn.clocks.request_to_first_token_ms > 0
         assert turn.clocks.itl_ms.p50 is not None
         assert 0 < turn.clocks.turn_end_to_first_audio_ms < 10_000
-        assert turn.engine["method"] == "serve-ngram"
-        assert turn.engine["steps"]  # the remote engine's own steps and acceptance
+        assert turn.engine.method == "serve-ngram"
+        assert turn.engine.steps  # the remote engine's own steps and acceptance
     # The call's session id travels as OpenAI's `user`: the remote reused turn 1's KV.
-    assert second.engine["reused_prefix_tokens"] > 0
+    assert second.engine.reused_prefix_tokens > 0
     store = open_store(cfg)  # a fresh reader: the call was committed
     try:
         assert store.call(first.call_id)["call"]["method"] == "serve-ngram"

@@ -174,7 +174,7 @@ async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(slow_
                 if isinstance(d, EngineStatsMetricsData)]
     assert any(isinstance(f, LLMTextFrame) for f in down)
     assert stats.interrupted and stats.finish_reason == "cancelled"
-    assert stats.stats["method"] == "voiceagent"
+    assert stats.stats.method == "voiceagent"
     assert await until(lambda: shared.engine.in_flight == 0, 5), "the server kept generating"
 
 

@@ -66,7 +66,7 @@ def db(tmp_path):
     path = tmp_path / "turns.sqlite"
     store = SQLiteTurnStore(path)
     for d in OLD + RECENT:
-        store.write(TurnRecord(**d))
+        store.write(TurnRecord.from_dict(d))
     assert store.flush()
     store.close()
     return path
@@ -183,7 +183,7 @@ def test_plots_without_speculative_steps_are_left_out_with_a_note(tmp_path):
     path = tmp_path / "off.sqlite"
     store = SQLiteTurnStore(path)
     for d in RECENT[:2]:  # method off only
-        store.write(TurnRecord(**d))
+        store.write(TurnRecord.from_dict(d))
     assert store.flush()
     store.close()
     assert report(path, tmp_path / "r.md") == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from voiceagent.pipeline.turn_record import Breakdown, Clocks, Percentiles, TurnRecord
+from voiceagent.pipeline.turn_record import Breakdown, Clocks, Percentiles, TurnRecord, TurnStats
 
 
 def make_turn(call_id: str = "c1", turn: int = 1, started_at: float = 1_000.0,
@@ -23,10 +23,10 @@ def make_turn(call_id: str = "c1", turn: int = 1, started_at: float = 1_000.0,
                             transcript_to_request_ms=1.0, prefill_ms=90.0, first_token_ms=100.0,
                             first_clause_ms=250.0, tts_first_chunk_ms=120.0,
                             chunk_to_audio_ms=2.0),
-        engine={"method": method, "itl_ms": [40.0, 42.0, 38.0], "steps": steps,
-                "k_history": [4, 4] if steps else [], "accept_len_hist": [0, 0, 1, 0, 1]
-                if steps else [], "drafted_by_pos": [2, 2, 2, 2] if steps else [],
-                "accepted_by_pos": [2, 2, 1, 1] if steps else [],
-                "mean_accepted_per_step": 3.0 if steps else None},
+        engine=TurnStats.from_dict({
+            "method": method, "itl_ms": [40.0, 42.0, 38.0], "steps": steps,
+            "k_history": [4, 4] if steps else [], "accept_len_hist": [0, 0, 1, 0, 1]
+            if steps else [], "drafted_by_pos": [2, 2, 2, 2] if steps else [],
+            "accepted_by_pos": [2, 2, 1, 1] if steps else []}),
         barge_in_to_silence_ms=210.0 if interrupted else None,
     )

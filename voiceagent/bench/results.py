@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 
+from llm_engine.stats import decode_rate
 from voiceagent.figures import fmt, percentile
 
 REFERENCE = "off"  # the mode every ratio and the losslessness check compare against
@@ -95,10 +96,7 @@ class RunRecord:
 
     @property
     def decode_tok_s(self) -> float | None:
-        t = self.token_times_ms
-        if len(t) < 2 or t[-1] <= t[0]:
-            return None
-        return (len(t) - 1) * 1000.0 / (t[-1] - t[0])
+        return decode_rate(self.token_times_ms)
 
     @property
     def e2e_tok_s(self) -> float | None:

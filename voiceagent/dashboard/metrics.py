@@ -104,8 +104,8 @@ class TurnMetrics:
               registry=self.registry).set_function(lambda: float(health()["queued"]))
 
     def write(self, record: TurnRecord) -> None:
-        engine = record.engine or {}
-        method = engine.get("method") or "unknown"
+        engine = record.engine
+        method = record.method
         self.turns.labels(method).inc()
         if record.interrupted:
             self.interruptions.labels(method).inc()
@@ -130,13 +130,15 @@ class TurnMetrics:
             self.tool_calls.labels(call.name, call.outcome).inc()
             if not call.cancelled and call.duration_ms is not None:
                 self.tool_call_seconds.labels(call.name).observe(call.duration_ms / 1000)
-        for ms in engine.get("itl_ms") or []:
+        if engine is None:
+            return
+        for ms in engine.itl_ms:
             self.inter_token.labels(method).observe(ms / 1000)
         steps = turn_speculation(engine)["speculative_steps"]
         if steps:
             self.speculative_steps.labels(method).inc(steps)
-        for counter, counts in ((self.drafted, engine.get("drafted_by_pos") or []),
-                                (self.accepted, engine.get("accepted_by_pos") or [])):
+        for counter, counts in ((self.drafted, engine.drafted_by_pos),
+                                (self.accepted, engine.accepted_by_pos)):
             for position, n in enumerate(counts):
                 if n:
                     counter.labels(method, str(position)).inc(n)

@@ -50,6 +50,7 @@ from voiceagent.dashboard.events import EventStream
 from voiceagent.dashboard.stats import facets, matching, overview, speculation, turn_speculation
 from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.remote_llm import RemoteChat
+from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.urls import redact
 
 # The server uses the dashboard, never the reverse: the app that includes `router` guards it with
@@ -216,8 +217,9 @@ async def api_call(request: Request, call_id: str):
     def read() -> dict | None:
         found = store.call(call_id)
         if found is not None:
-            found["speculation"] = [{"turn": t["turn"], **turn_speculation(t.get("engine") or {})}
-                                    for t in found["turns"]]
+            records = (TurnRecord.from_dict(t) for t in found["turns"])
+            found["speculation"] = [{"turn": r.turn, **turn_speculation(r.engine)}
+                                    for r in records]
         return found
 
     found = await asyncio.to_thread(read)

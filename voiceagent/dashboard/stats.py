@@ -13,6 +13,7 @@ import re
 
 import numpy as np
 
+from llm_engine.stats import RequestStats
 from voiceagent.figures import percentile
 from voiceagent.pipeline.turn_record import TurnRecord
 
@@ -33,13 +34,13 @@ def summarise(turns: list[dict]) -> dict:
 
     clock3 = values(lambda r: r.clocks.turn_end_to_first_audio_ms)
     clock1 = values(lambda r: r.clocks.request_to_first_token_ms)
-    itl = [x for r in records for x in (r.engine.get("itl_ms") or [])]
+    itl = [x for r in records if r.engine for x in r.engine.itl_ms]
     barge = values(lambda r: r.barge_in_to_silence_ms)
     spec = [turn_speculation(r.engine) for r in records]
     spec_steps = sum(s["speculative_steps"] for s in spec)
     by_turn = [s["accepted_per_step"] for s in spec if s["accepted_per_step"] is not None]
     interrupted = sum(r.interrupted for r in records)
-    itl_turns = sum(bool(r.engine.get("itl_ms")) for r in records)
+    itl_turns = sum(bool(r.engine and r.engine.itl_ms) for r in records)
 
     def spread(get) -> dict:
         xs = values(get)
@@ -111,6 +112,8 @@ METHOD_ORDER = ("off", "ngram", "draft", "eagle")
 
 
 def method_of(turn: dict) -> str:
+    """A stored turn's method, read from its JSON without building the whole record (the
+    filters ask it of every turn); `TurnRecord.method` says the same of a record."""
     return (turn.get("engine") or {}).get("method") or "unknown"
 
 
@@ -186,47 +189,45 @@ def speculation(turns: list[dict]) -> dict:
     accept_hist: list[int] = []
     rejection_hist: list[int] = []
     steps = []
-    for t in turns:
-        engine = t.get("engine") or {}
-        for n, count in enumerate(engine.get("accept_len_hist") or []):
+    records = [TurnRecord.from_dict(t) for t in turns]
+    for engine in (r.engine for r in records if r.engine is not None):
+        for n, count in enumerate(engine.accept_len_hist):
             accept_hist += [0] * (n + 1 - len(accept_hist))
             accept_hist[n] += count
-        for s in engine.get("steps") or []:
-            if s.get("drafted"):
-                steps.append({"draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"],
-                              "accepted": s["accepted"], "method": engine.get("method")})
-            if s.get("rejection_pos") is not None:
-                pos = s["rejection_pos"]
+        for s in engine.steps:
+            if s.drafted:
+                steps.append({"draft_ms": s.draft_ms, "verify_ms": s.verify_ms,
+                              "accepted": s.accepted, "method": engine.method})
+            if s.rejection_pos is not None:
+                pos = s.rejection_pos
                 rejection_hist += [0] * (pos + 1 - len(rejection_hist))
                 rejection_hist[pos] += 1
     return {
         "accepted_per_step_hist": accept_hist,
         "rejection_position_hist": rejection_hist,
         "steps": steps,
-        "k_history": [{"call_id": t["call_id"], "turn": t["turn"], "method": method_of(t),
-                       "k": (t.get("engine") or {}).get("k_history") or []} for t in turns],
+        "k_history": [{"call_id": r.call_id, "turn": r.turn, "method": r.method,
+                       "k": r.engine.k_history if r.engine else []} for r in records],
     }
 
 
-def turn_speculation(engine: dict) -> dict:
-    """One turn's speculation, from its engine stats (`RequestStats.to_dict()`): the method; its
+def turn_speculation(engine: RequestStats | None) -> dict:
+    """One turn's speculation, from its engine stats (None: no request answered): the method; its
     decode steps and, of those, the speculative ones (that drafted); tokens drafted and accepted;
-    accepted tokens per speculative step (accepted / speculative steps); the acceptance rate
-    (accepted / drafted); and the K asked for over the steps that asked for a draft (K 0 is a
-    plain step: the gate was closed, or speculation off)."""
-    steps = engine.get("steps") or []
-    speculative = [s for s in steps if s.get("drafted")]
-    drafted = sum(s["drafted"] for s in speculative)
-    accepted = sum(s["accepted"] for s in speculative)
-    asked = [k for k in engine.get("k_history") or [s["k"] for s in steps] if k > 0]
+    accepted tokens per speculative step; the acceptance rate (accepted / drafted); and the K
+    asked for over the steps that asked for a draft (K 0 is a plain step: the gate was closed, or
+    speculation off)."""
+    if engine is None:
+        engine = RequestStats(method="unknown")
+    asked = [k for k in engine.k_history or [s.k for s in engine.steps] if k > 0]
     return {
-        "method": engine.get("method") or "unknown",
-        "steps": len(steps),
-        "speculative_steps": len(speculative),
-        "drafted": drafted,
-        "accepted": accepted,
-        "accepted_per_step": accepted / len(speculative) if speculative else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
+        "method": engine.method,
+        "steps": len(engine.steps),
+        "speculative_steps": sum(1 for s in engine.steps if s.drafted),
+        "drafted": engine.drafted,
+        "accepted": engine.accepted,
+        "accepted_per_step": engine.mean_accepted_per_step,
+        "acceptance_rate": engine.acceptance_rate,
         "k_min": min(asked, default=None),
         "k_max": max(asked, default=None),
         "k_mean": sum(asked) / len(asked) if asked else None,

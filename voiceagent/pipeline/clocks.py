@@ -10,11 +10,12 @@ All times are the pipeline clock of `FramePushed.timestamp` (ns since the task s
 observer's own scheduling delay never enters a measurement.
 
 A tool turn (the LLM calls tools, and a second request answers from their results) is one turn,
-with both requests' engine stats merged (`merged_stats`). Its clock 1 runs from the turn's first
-request to the first token of speech, and clock 3 to the reply's first audio: both span the tool
-calls, since the caller waits through them. A filler spoken while a slow tool runs stops neither
-(it is `breakdown.filler_audio_ms`); the breakdown splits the wait into the LLM choosing the tools,
-the tools, and the answering request to its first token, and `tool_calls` has each call.
+with both requests' engine stats merged (`RequestStats.merge`). Its clock 1 runs from the turn's
+first request to the first token of speech, and clock 3 to the reply's first audio: both span the
+tool calls, since the caller waits through them. A filler spoken while a slow tool runs stops
+neither (it is `breakdown.filler_audio_ms`); the breakdown splits the wait into the LLM choosing
+the tools, the tools, and the answering request to its first token, and `tool_calls` has each
+call.
 
 Early preparation: a reply prepared at the caller's pause belongs to the turn still being heard;
 if the turn is confirmed (UserStoppedSpeakingFrame) it becomes the answer, and clock 1 counts
@@ -24,7 +25,6 @@ waste on the turn: the tokens generated and the audio synthesised for nobody.
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from collections.abc import Callable
@@ -57,7 +57,6 @@ from pipecat.services.llm_service import LLMService
 from pipecat.services.tts_service import TTSService
 from pipecat.transports.base_output import BaseOutputTransport
 
-from llm_engine.stats import RequestStats
 from voiceagent.pipeline.frames import UserSpeechOnsetFrame, audio_seconds
 from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
@@ -71,6 +70,7 @@ from voiceagent.pipeline.turn_record import (
     Preparation,
     ToolCall,
     TurnRecord,
+    TurnStats,
 )
 
 
@@ -127,7 +127,7 @@ class _Turn:
     clause_audio_s: float = 0.0  # synthesised for the clause whose text has not come yet
     played_s: float = 0.0
     tts_contexts: set[str] = field(default_factory=set)  # the TTS contexts of this reply
-    engine: dict = field(default_factory=dict)
+    engine: TurnStats | None = None
     interrupted_ns: int | None = None
     barge_in_ns: int | None = None  # the caller started speaking over this reply
     audio_stopped_ns: int | None = None
@@ -144,7 +144,7 @@ class _Turn:
         self.request_ns = self.first_token_ns = self.prepared_ns = None
         self.latest_request_ns = self.reply_ns = None
         self.tts_started_ns = self.tts_first_chunk_ns = None
-        self.llm_text, self.engine, self.audio_s = [], {}, 0.0
+        self.llm_text, self.engine, self.audio_s = [], None, 0.0
         self.unplayed, self.clause_audio_s, self.tts_contexts = [], 0.0, set()
         self.requests = self.reported = 0
         self.tool_calls = {}
@@ -169,7 +169,7 @@ class _Turn:
             self.tools_pending or self.reported < self.requests)
         dropping = self.interrupted_ns is not None and self.dropped_ns is None and (
             self.first_audio_ns is not None)
-        return bool(self.engine) and not self.speaking and not waiting and not dropping and (
+        return self.engine is not None and not self.speaking and not waiting and not dropping and (
             self.first_audio_ns is not None or self.interrupted_ns is not None
         )
 
@@ -231,27 +231,6 @@ def _tool_segments(turn: _Turn) -> tuple[float | None, float | None]:
     if not starts or (turn.first_token_ns is not None and turn.first_token_ns < min(starts)):
         return None, None
     return _ms(turn.request_ns, min(starts)), _ms(min(starts), turn.reply_ns)
-
-
-def merged_stats(earlier: dict, later: dict) -> dict:
-    """Two engine requests of one turn (a tool call, then the reply) as one turn's stats.
-
-    The per-token and per-step lists are joined and the counts added, so the turn's ITL and
-    speculation figures cover the tool call's generation too; the times from a request's start
-    (prefill, first token, token times, total) and its outcome stay the later request's: the one
-    that spoke."""
-    a, b = (RequestStats.from_dict({"method": "unknown", **s}) for s in (earlier, later))
-    for name in ("itl_ms", "steps", "k_history"):
-        setattr(b, name, getattr(a, name) + getattr(b, name))
-    for name in ("prompt_tokens", "prefill_tokens", "reused_prefix_tokens", "generated_tokens"):
-        setattr(b, name, getattr(a, name) + getattr(b, name))
-    for name in ("drafted_by_pos", "accepted_by_pos", "accept_len_hist"):
-        x, y = getattr(a, name), getattr(b, name)
-        setattr(b, name, [sum(pair) for pair in itertools.zip_longest(x, y, fillvalue=0)])
-    b.gated_off = a.gated_off or b.gated_off
-    return {**b.to_dict(), "request_id": later.get("request_id"),
-            "interrupted": later.get("interrupted"),
-            "error": later.get("error") or earlier.get("error")}
 
 
 class ClocksObserver(BaseObserver):
@@ -375,7 +354,8 @@ class ClocksObserver(BaseObserver):
             self._withdrawn_tts |= turn.tts_contexts
             turn.preparation.discarded += 1
             # Its stats are in when it had finished generating before the withdrawal.
-            turn.preparation.discarded_tokens += turn.engine.get("generated_tokens", 0)
+            if turn.engine is not None:
+                turn.preparation.discarded_tokens += turn.engine.generated_tokens
             turn.drop_reply()
 
     def _commit(self) -> None:
@@ -492,16 +472,16 @@ class ClocksObserver(BaseObserver):
         for item in frame.data:
             if isinstance(item, EngineStatsMetricsData) and item.discarded:
                 if (turn := self._listening or self._answering) is not None:
-                    turn.preparation.discarded_tokens += item.stats.get("generated_tokens", 0)
+                    turn.preparation.discarded_tokens += item.stats.generated_tokens
             elif isinstance(item, EngineStatsMetricsData):
                 # A prepared reply may finish generating before its turn is confirmed.
                 turn = self._preparing if item.prepared and self._preparing else self._answering
                 if turn is not None:
-                    stats = dict(item.stats, request_id=item.request_id,
-                                 interrupted=item.interrupted, error=item.error)
+                    stats = TurnStats.of(item.stats, request_id=item.request_id,
+                                         interrupted=item.interrupted, error=item.error)
                     # A tool turn's requests are one turn's work.
-                    merge = turn.engine and turn.tool_calls
-                    turn.engine = merged_stats(turn.engine, stats) if merge else stats
+                    merge = turn.engine is not None and turn.tool_calls
+                    turn.engine = turn.engine.merge(stats) if merge else stats
                     turn.reported += 1
                     self._emit_if_complete()
             elif isinstance(item, HeldAudioMetricsData):
@@ -529,7 +509,7 @@ class ClocksObserver(BaseObserver):
         preparation = turn.preparation
         if preparation.committed:
             preparation.lead_ms = _ms(turn.prepared_ns, turn.vad_stop_ns)
-        preparation.answer_tokens = engine.get("generated_tokens", 0)
+        preparation.answer_tokens = engine.generated_tokens if engine else 0
         preparation.answer_audio_ms = turn.audio_s * 1000
         tool_call_ms, tools_ms = _tool_segments(turn)
         record = TurnRecord(
@@ -542,7 +522,7 @@ class ClocksObserver(BaseObserver):
             interrupted=turn.interrupted_ns is not None,
             clocks=Clocks(
                 request_to_first_token_ms=_ms(turn.request_ns, turn.first_token_ns),
-                itl_ms=Percentiles.of(engine.get("itl_ms") or []),
+                itl_ms=Percentiles.of(engine.itl_ms if engine else []),
                 turn_end_to_first_audio_ms=_ms(turn.turn_end_ns, turn.first_audio_ns),
             ),
             breakdown=Breakdown(
@@ -552,7 +532,7 @@ class ClocksObserver(BaseObserver):
                 transcript_to_request_ms=_ms(turn.transcript_ns, turn.request_ns),
                 tool_call_ms=tool_call_ms,
                 tools_ms=tools_ms,
-                prefill_ms=engine.get("prefill_ms"),
+                prefill_ms=engine.prefill_ms if engine else None,
                 first_token_ms=_ms(turn.reply_ns or turn.request_ns, turn.first_token_ns),
                 first_clause_ms=_ms(turn.first_token_ns, turn.tts_started_ns),
                 tts_first_chunk_ms=_ms(turn.tts_started_ns, turn.tts_first_chunk_ns),

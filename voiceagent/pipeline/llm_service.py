@@ -496,7 +496,7 @@ class SpeculativeLLMService(LLMService):
             request_id=request.id,
             interrupted=request.interrupted,
             finish_reason=completion.finish_reason,
-            stats=completion.stats.to_dict(),
+            stats=completion.stats,
             prepared=request.prepared,
             discarded=request.discarded,
             error=completion.error,

@@ -6,18 +6,23 @@ The clocks observer (voiceagent.pipeline.clocks) reads them; nothing important l
 from __future__ import annotations
 
 from pipecat.metrics.metrics import MetricsData
+from pydantic import ConfigDict
+
+from llm_engine.stats import FinishReason, RequestStats
 
 
 class EngineStatsMetricsData(MetricsData):
-    """One LLM request's engine statistics (llm_engine.stats.RequestStats.to_dict()).
+    """One LLM request's engine statistics.
 
     Pushed by SpeculativeLLMService when a request ends, interrupted or not.
     """
 
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     request_id: str
     interrupted: bool
-    finish_reason: str
-    stats: dict
+    finish_reason: FinishReason
+    stats: RequestStats
     prepared: bool = False  # started before the caller's turn was confirmed
     discarded: bool = False  # prepared, then withdrawn: nobody heard it
     error: str | None = None  # why the request failed (finish_reason "error")

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from llm_engine.stats import RequestStats
 from voiceagent.figures import percentile
 
 
@@ -93,6 +94,26 @@ class Preparation:
 
 
 @dataclass
+class TurnStats(RequestStats):
+    """The engine's stats of the request that answered a turn (a tool turn's requests merged:
+    `RequestStats.merge`), with that request's id, whether it was interrupted, and why it failed."""
+
+    request_id: str | None = None
+    interrupted: bool = False
+    error: str | None = None
+
+    @classmethod
+    def of(cls, stats: RequestStats, **extra) -> TurnStats:
+        return cls(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(RequestStats)},
+                   **extra)
+
+    def merge(self, later: RequestStats) -> TurnStats:
+        merged = super().merge(later)
+        merged.error = merged.error or self.error
+        return merged
+
+
+@dataclass
 class TurnRecord:
     """One user turn and the bot's reply, with the clocks and where the time went."""
 
@@ -105,10 +126,7 @@ class TurnRecord:
     interrupted: bool
     clocks: Clocks = field(default_factory=Clocks)
     breakdown: Breakdown = field(default_factory=Breakdown)
-    # The engine's llm_engine.stats.RequestStats.to_dict() for this turn's request, with its
-    # request_id and whether it was interrupted; {} when no request answered. A turn of several
-    # requests (a tool call, then the reply) has them merged (clocks.merged_stats).
-    engine: dict = field(default_factory=dict)
+    engine: TurnStats | None = None  # None: no request answered
     # Barge-in: the caller started speaking over the reply (the first voiced frame of their
     # speech) -> the bot's audio stopped (on Twilio, the `clear` sent), in two parts: detection
     # (-> pipecat's InterruptionFrame: the VAD's start and the interruption strategy) and
@@ -122,10 +140,12 @@ class TurnRecord:
     @property
     def method(self) -> str:
         """The speculation method that answered."""
-        return self.engine.get("method") or "unknown"
+        return self.engine.method if self.engine is not None else "unknown"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """As JSON; the engine's stats with their derived figures (`RequestStats.to_dict`), or {}
+        when no request answered."""
+        return {**asdict(self), "engine": self.engine.to_dict() if self.engine else {}}
 
     @classmethod
     def from_dict(cls, data: dict) -> TurnRecord:
@@ -138,7 +158,7 @@ class TurnRecord:
                                 "itl_ms": Percentiles(**_known(Percentiles,
                                                                clocks.get("itl_ms") or {}))}),
             "breakdown": Breakdown(**_known(Breakdown, data.get("breakdown") or {})),
-            "engine": dict(data.get("engine") or {}),
+            "engine": TurnStats.from_dict(engine) if (engine := data.get("engine")) else None,
             "preparation": Preparation(**_known(Preparation, data.get("preparation") or {})),
             "tool_calls": [ToolCall(**_known(ToolCall, c)) for c in data.get("tool_calls") or []],
         })
