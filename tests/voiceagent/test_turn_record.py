@@ -1,4 +1,4 @@
-"""The turn record's engine stats are typed (`TurnStats`), and records stored before keep loading."""
+"""The turn record's engine stats are typed (`TurnStats`); records stored before still load."""
 
 from __future__ import annotations
 
