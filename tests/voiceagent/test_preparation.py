@@ -13,7 +13,7 @@ import pytest
 
 from tests.audio.speech import silence, speech
 from voiceagent.config import load_config, store_path
-from voiceagent.dashboard.store import SQLiteTurnStore
+from voiceagent.dashboard.store import SQLiteTurnStore, open_store
 from voiceagent.pipeline.builder import load_shared
 from voiceagent.sim.call import RATE, simulate_call
 
@@ -56,7 +56,11 @@ def paused_call(cfg, shared):
     first, second = "What is the capital", "of Spain, and why is it there?"
     audio = _caller(0.5, first, MID_PAUSE_S, second, HANGOVER_S + 4.0)
     speech_end = 0.5 + (len(_voiced(first)) + len(_voiced(second))) / RATE + MID_PAUSE_S
-    return asyncio.run(simulate_call(cfg, shared, audio)), speech_end
+    store = open_store(cfg)
+    try:
+        return asyncio.run(simulate_call(cfg, shared, audio, store=store)), speech_end
+    finally:
+        store.close()
 
 
 def test_caller_who_goes_on_after_a_short_pause_gets_an_answer_to_the_whole_sentence(
