@@ -184,10 +184,10 @@ RESTART_WINDOW_S = 600.0  # a worker that died `restarts` times in this long sta
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubling with each recent death
 
 
-class AsyncEngine:
+class EngineWorker:
     """Runs a `SpeculativeEngine` on its own worker thread for asyncio callers.
 
-    `AsyncEngine.build` loads the engine on that same thread. torch's CPU kernels run on an
+    `EngineWorker.build` loads the engine on that same thread. torch's CPU kernels run on an
     OpenMP team per calling thread, and once a second thread has its own team the two slow each
     other down: measured on 2 cores, a bf16 decode step took 37 ms when one thread did all the
     torch work and 50 ms when the models were loaded on another.
@@ -213,7 +213,7 @@ class AsyncEngine:
 
     @classmethod
     def build(cls, build: Callable[[], Any], name: str = "llm-engine",
-              restarts: int = 0) -> tuple[AsyncEngine, Any]:
+              restarts: int = 0) -> tuple[EngineWorker, Any]:
         """Run `build()` on a new worker thread, which then serves `build().engine`; returns the
         serving engine and what `build` returned. Raises what `build` raised."""
         serving = cls(None, name, build, restarts)

@@ -81,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "chat", help="generate one reply with the engine only (no audio)")
     p.add_argument("prompt", help="the user's message")
-    p.add_argument("--speculative", type=_method, metavar="METHOD",
+    p.add_argument("--method", type=_method, metavar="METHOD",
                    help=f"speculation method: {methods.help_text()} (default from config: "
                    "engine.speculation.method)")
-    p.add_argument("--draft", help="draft model name or path (implies --speculative draft)")
+    p.add_argument("--draft", help="draft model name or path (implies --method draft)")
     p.add_argument("--temperature", type=float,
                    help="sampling temperature, 0 for greedy (default from config)")
     p.add_argument("--max-new-tokens", type=int,
@@ -140,8 +140,8 @@ def _bench_out(p: argparse.ArgumentParser) -> None:
 def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, help="prompt set YAML "
                    "(default: configs/prompts/engine_bench_v2.yaml)")
-    p.add_argument("--modes", help="engine modes, comma-separated: proposers (off, ngram, draft, "
-                   "eagle, grammar) or grammar+<one>, e.g. grammar+ngram (default: off,ngram and "
+    p.add_argument("--methods", help="speculation methods, comma-separated: off, ngram, draft, "
+                   "eagle, grammar or grammar+<one>, e.g. grammar+ngram (default: off,ngram and "
                    "draft when engine.draft is set, eagle when engine.eagle is; off always runs)")
     p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
     p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32; "
@@ -167,12 +167,12 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
                    help="smoke run: 1 prompt per segment, 32 tokens, temperature 0")
     p.add_argument("--batch", help="sessions decoding at once, comma-separated (e.g. 1,2,4): "
                    "aggregate and per-session tok/s, one step each against one shared forward, "
-                   "for each of --modes (default: off and engine.speculation.method)")
+                   "for each of --methods (default: off and engine.speculation.method)")
     _bench_out(p)
 
 
 def _bench_call_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--modes", help="variants, comma-separated: "
+    p.add_argument("--methods", help="variants, comma-separated: "
                    "METHOD[+prepare][+smart_turn][:key=value...] (default: "
                    "off,ngram,off+prepare,ngram+prepare; with --backend: off,ngram and each NAME)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the script")

@@ -28,7 +28,7 @@ from llm_engine.methods import model_setting
 from llm_engine.pair_card import PairCard
 from llm_engine.prompts import encode_chat
 from llm_engine.runner import EagerRunner, TargetRunner
-from llm_engine.serving import AsyncEngine
+from llm_engine.serving import EngineWorker
 from voiceagent.models import resolve
 from voiceagent.prompt_sets import heldout_conversations
 
@@ -123,9 +123,9 @@ class LLMRuntime:
     eagle: LoadedModel | None = None
     formats: list[FormatResult] = field(default_factory=list)  # when engine.format is auto
 
-    def serve(self, restarts: int = 0) -> AsyncEngine:
-        """The engine on its worker thread, for asyncio callers (`restarts`: AsyncEngine's)."""
-        return AsyncEngine(self.engine, restarts=restarts)
+    def serve(self, restarts: int = 0) -> EngineWorker:
+        """The engine on its worker thread, for asyncio callers (`restarts`: EngineWorker's)."""
+        return EngineWorker(self.engine, restarts=restarts)
 
 
 def build_runtime(

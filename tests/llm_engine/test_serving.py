@@ -6,7 +6,7 @@ import torch
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
-from llm_engine.serving import AsyncEngine
+from llm_engine.serving import EngineWorker
 from tests.llm_engine.tiny_models import break_forward, break_forward_once, make_model
 
 
@@ -19,7 +19,7 @@ def _config(method: str = "ngram", max_new: int = 24) -> EngineConfig:
 
 @pytest.fixture
 def serving(target, tokenizer):
-    engine = AsyncEngine(SpeculativeEngine(target, tokenizer, _config()))
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config()))
     yield engine
     engine.close()
 
@@ -62,7 +62,7 @@ async def test_event_loop_is_not_blocked_while_generating(serving, tokenizer):
 
 
 async def test_cancel_stops_at_next_step_and_frees_kv(target, tokenizer):
-    engine = AsyncEngine(SpeculativeEngine(target, tokenizer, _config("off", max_new=400)))
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=400)))
     try:
         handle = engine.submit(_prompt(tokenizer, "Hello"))
         async for _ in handle:
@@ -82,7 +82,7 @@ async def test_cancel_stops_at_next_step_and_frees_kv(target, tokenizer):
 
 
 async def test_cancelling_the_awaiting_task_cancels_the_request(target, tokenizer):
-    engine = AsyncEngine(SpeculativeEngine(target, tokenizer, _config("off", max_new=400)))
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=400)))
     try:
         handle = engine.submit(_prompt(tokenizer, "Hello"))
         task = asyncio.create_task(handle.result())
@@ -100,7 +100,7 @@ async def test_cancelling_the_awaiting_task_cancels_the_request(target, tokenize
 
 
 async def test_requests_are_served_round_robin(target, tokenizer):
-    engine = AsyncEngine(SpeculativeEngine(target, tokenizer, _config("off", max_new=40)))
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=40)))
     try:
         handles = [engine.submit(_prompt(tokenizer, p)) for p in ("Hello", "The moon")]
 
@@ -137,7 +137,7 @@ async def test_a_stop_string_is_counted_as_stop_not_as_a_cancel(serving, tokeniz
 
 
 async def test_close_cancels_in_flight_requests(target, tokenizer):
-    engine = AsyncEngine(SpeculativeEngine(target, tokenizer, _config("off", max_new=1000)))
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=1000)))
     handle = engine.submit(_prompt(tokenizer, "Hello"))
     await asyncio.sleep(0.05)
     await asyncio.get_running_loop().run_in_executor(None, engine.close)
@@ -162,11 +162,11 @@ async def test_a_discarded_request_leaves_its_prefix_kv_to_the_next_one(serving,
     assert stats.prefill_tokens == len(whole) - len(spoken)
 
 
-def _breaking(tokenizer, exc: BaseException, go: threading.Event) -> AsyncEngine:
+def _breaking(tokenizer, exc: BaseException, go: threading.Event) -> EngineWorker:
     model = make_model(len(tokenizer))
     engine = SpeculativeEngine(model, tokenizer, _config("off"))
     break_forward(model, exc, go)
-    return AsyncEngine(engine)
+    return EngineWorker(engine)
 
 
 async def test_a_failed_step_is_counted_as_error_not_as_a_cancel(tokenizer):
@@ -204,7 +204,7 @@ async def test_a_dead_worker_fails_its_requests_and_refuses_new_ones(tokenizer):
 
 async def test_a_dead_worker_fails_what_it_held_then_serves_again(tokenizer):
     model = make_model(len(tokenizer))
-    serving = AsyncEngine(SpeculativeEngine(model, tokenizer, _config("off")), restarts=1)
+    serving = EngineWorker(SpeculativeEngine(model, tokenizer, _config("off")), restarts=1)
     try:
         break_forward_once(model, SystemExit("exit called mid-forward"))
         failed = await asyncio.wait_for(serving.generate(_prompt(tokenizer, "Hello")), 5)
@@ -250,7 +250,7 @@ async def test_build_loads_the_engine_on_the_thread_that_then_serves_it(target, 
             threads.append(threading.current_thread())
             self.engine = SpeculativeEngine(target, tokenizer, _config())
 
-    serving, built = AsyncEngine.build(Built, name="llm-test")
+    serving, built = EngineWorker.build(Built, name="llm-test")
     try:
         assert serving.engine is built.engine
         assert threads == [serving._thread] and threads[0].name == "llm-test"
@@ -265,7 +265,7 @@ def test_a_build_that_fails_raises_its_error_and_serves_nothing():
         raise OSError("weights not found")
 
     with pytest.raises(OSError, match="weights not found"):
-        AsyncEngine.build(fail)
+        EngineWorker.build(fail)
 
 
 async def test_the_event_loop_runs_no_torch_and_compiles_no_grammar(target, draft, tokenizer):
@@ -273,7 +273,7 @@ async def test_the_event_loop_runs_no_torch_and_compiles_no_grammar(target, draf
     from tests.loop_guard import torch_calls_on_this_thread
 
     engine = SpeculativeEngine(target, tokenizer, _config(), draft_model=draft)
-    serving = AsyncEngine(engine)
+    serving = EngineWorker(engine)
     prompt = _prompt(tokenizer, "Please confirm the booking.")
     day = {"type": "object", "properties": {"day": {"type": "string"}}}
     tools = GrammarSpec(kind="tools", tool_choice="required",

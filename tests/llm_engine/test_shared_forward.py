@@ -11,7 +11,7 @@ import torch
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
-from llm_engine.serving import AsyncEngine
+from llm_engine.serving import EngineWorker
 from tests.llm_engine.requests import run
 from tests.llm_engine.test_engine import NEW_TOKENS, random_prompts
 from tests.llm_engine.test_lean import LEAN_FORMATS, MAX_ROWS, invariant
@@ -110,7 +110,7 @@ async def test_the_serving_worker_shares_forwards_between_live_requests(target, 
     alone = [run(eng, p)[0] for p in prompts]
     shared = []
     eng.runner.forward_many = _counting(eng.runner.forward_many, shared)
-    serving = AsyncEngine(eng)
+    serving = EngineWorker(eng)
     try:
         results = await asyncio.wait_for(
             asyncio.gather(*(serving.generate(p) for p in prompts)), 60)

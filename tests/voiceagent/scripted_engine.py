@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from llm_engine.engine import SpeculativeEngine
-from llm_engine.serving import AsyncEngine
+from llm_engine.serving import EngineWorker
 
 HOLD_AFTER_STEPS = 3
 
@@ -45,7 +45,7 @@ class ScriptedEngine(SpeculativeEngine):
         super().drop_session(session_id)
 
 
-class RecordingAsyncEngine(AsyncEngine):
+class RecordingAsyncEngine(EngineWorker):
     """Keeps every handle, so a test can ask the engine how each request ended."""
 
     def __init__(self, engine):

@@ -170,7 +170,7 @@ def test_the_anchor_is_a_baseline_compared_with_off_and_never_the_best_mode():
 
 
 def bench_args(**kw):
-    base = dict(modes=None, temperatures=None, max_new_tokens=None, repeats=1, segments=None,
+    base = dict(methods=None, temperatures=None, max_new_tokens=None, repeats=1, segments=None,
                 seed=0, hf_lookup_tokens=10, no_hf=False, quick=False, formats=None,
                 quality=False, anchor_url=None, anchor_model=None)
     return SimpleNamespace(**{**base, **kw})
@@ -180,12 +180,12 @@ def test_quick_fills_only_what_the_flags_leave_unset():
     cfg = load_config()
     s = settings_from_args(bench_args(quick=True), cfg)
     assert (s.temperatures, s.max_new_tokens, s.prompts_per_segment) == ([0.0], 32, 1)
-    s = settings_from_args(bench_args(quick=True, max_new_tokens=8, modes="ngram"), cfg)
+    s = settings_from_args(bench_args(quick=True, max_new_tokens=8, methods="ngram"), cfg)
     assert s.max_new_tokens == 8 and s.modes == ["off", "ngram"]  # off: always the reference
 
 
 def test_draft_mode_without_a_draft_model_is_refused_before_loading(capsys):
-    assert main(["bench", "engine", "--modes", "off,draft", "--set", "engine.draft=null"]) == 2
+    assert main(["bench", "engine", "--methods", "off,draft", "--set", "engine.draft=null"]) == 2
     assert "needs a draft model" in capsys.readouterr().err
 
 
@@ -348,12 +348,12 @@ def test_every_shipped_tool_call_prompt_has_tools_that_compile_into_a_grammar():
 
 def test_modes_are_checked_before_loading_combined_ones_included(capsys):
     cfg = load_config()
-    s = settings_from_args(bench_args(modes="grammar,grammar+ngram"), cfg)
+    s = settings_from_args(bench_args(methods="grammar,grammar+ngram"), cfg)
     assert s.modes == ["off", "grammar", "grammar+ngram"]
-    assert main(["bench", "engine", "--modes", "off,grammar+bogus"]) == 2
+    assert main(["bench", "engine", "--methods", "off,grammar+bogus"]) == 2
     assert "mode 'grammar+bogus': unknown method 'bogus'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="needs a draft model"):
-        settings_from_args(bench_args(modes="grammar+draft"),
+        settings_from_args(bench_args(methods="grammar+draft"),
                            load_config(None, ["engine.draft=null"]))
 
 

@@ -43,11 +43,11 @@ def test_each_bench_kind_lists_only_its_own_flags(capsys):
     for flag in ("--calls", "--soak", "--knee", "--turns", "--threshold-ms", "--backend",
                  "--script"):
         assert flag not in engine
-    assert "--quick" in engine and "--formats" in engine and "--modes" in engine
+    assert "--quick" in engine and "--formats" in engine and "--methods" in engine
     for flag in ("--calls", "--knee", "--quick", "--formats", "--anchor-url", "--segments"):
         assert flag not in call
-    assert "--backend" in call and "--script" in call and "--modes" in call
-    for flag in ("--modes", "--quick", "--backend", "--formats", "--repeats"):
+    assert "--backend" in call and "--script" in call and "--methods" in call
+    for flag in ("--methods", "--quick", "--backend", "--formats", "--repeats"):
         assert flag not in serve
     assert "--knee" in serve and "--soak" in serve
     for text in (engine, call, serve):
@@ -67,15 +67,15 @@ def test_every_flag_of_every_command_has_help():
 
 @pytest.mark.parametrize("argv", [
     ["bench", "engine", "--quick"],
-    ["bench", "engine", "--modes", "off,ngram,draft,eagle", "--formats", "float32,bfloat16",
+    ["bench", "engine", "--methods", "off,ngram,draft,eagle", "--formats", "float32,bfloat16",
      "--quality"],
-    ["bench", "engine", "--segments", "tool_call", "--modes", "off,grammar,grammar+ngram",
+    ["bench", "engine", "--segments", "tool_call", "--methods", "off,grammar,grammar+ngram",
      "--no-hf", "--max-new-tokens", "160"],
-    ["bench", "engine", "--prompts", "configs/prompts/distill_v1.yaml", "--modes", "off",
+    ["bench", "engine", "--prompts", "configs/prompts/distill_v1.yaml", "--methods", "off",
      "--temperatures", "0", "--repeats", "2", "--seed", "3", "--hf-lookup-tokens", "5"],
     ["bench", "engine", "--anchor-url", "http://127.0.0.1:8100/v1", "--anchor-model", "m",
      "--set", "engine.runner=compiled", "--out", "x"],
-    ["bench", "call", "--repeats", "2", "--modes", "off:vad.stop_secs=0.3,ngram"],
+    ["bench", "call", "--repeats", "2", "--methods", "off:vad.stop_secs=0.3,ngram"],
     ["bench", "call", "--backend", "vllm=http://127.0.0.1:8100/v1", "--script", "s.yaml"],
     ["bench", "serve", "--turns", "5", "--calls", "1,2,3", "--soak", "20"],
     ["bench", "serve", "--knee", "--turns", "2", "--calls", "1,2,3,4,5,6", "--set",
@@ -220,13 +220,13 @@ def test_the_cli_answers_help_without_importing_torch():
 
 def test_a_bad_method_is_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit) as exited:
-        cli.main(["chat", "hi", "--speculative", "magic"])
+        cli.main(["chat", "hi", "--method", "magic"])
     assert exited.value.code == 2
     assert "unknown speculation method 'magic'" in capsys.readouterr().err
 
 
 def test_a_mistyped_method_flag_suggests_the_nearest(capsys):
     with pytest.raises(SystemExit) as exited:
-        cli.main(["chat", "hi", "--speculative", "eagel"])
+        cli.main(["chat", "hi", "--method", "eagel"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().endswith("did you mean 'eagle'?")

@@ -112,7 +112,7 @@ async def test_a_call_whose_primary_hangs_is_answered_by_the_fallback(tmp_path, 
     from voiceagent.sim.twilio_caller import TwilioCaller
 
     failover = FailoverChat(_remote(hung_server, "hung"), models.chat, first_token_timeout_s=1)
-    shared = SharedModels(llm=models.llm, engine=models.engine, chat=failover,
+    shared = SharedModels(llm=models.llm, worker=models.worker, chat=failover,
                           speech=models.speech)
     async with serving(server_config(tmp_path), shared) as (app, base):
         async with TwilioCaller(twilio_url(base)) as caller:

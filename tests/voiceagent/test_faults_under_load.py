@@ -111,7 +111,7 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
                             SamplingConfig(max_new_tokens=64, temperature=0.0))
         # The primary is tried on every request, so each fault meets it (no breaker).
         failover = FailoverChat(remote, models.chat, first_token_timeout_s=3, retry_primary_s=0)
-        shared = SharedModels(llm=models.llm, engine=models.engine, chat=failover,
+        shared = SharedModels(llm=models.llm, worker=models.worker, chat=failover,
                               speech=models.speech)
         cfg = server_config(tmp_path / "calls", "llm.backend=openai",
                             f"llm.base_url=http://127.0.0.1:{port}/v1")
@@ -126,7 +126,7 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
                 table.append(("none", await _turn(callers, app), await _health(http), ""))
 
                 # 1. the engine's worker dies at its next step
-                engine = models.engine.engine
+                engine = models.worker.engine
                 step_many = engine.step_many
 
                 def die(states):
@@ -136,7 +136,7 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
                 engine.step_many = die
                 during = await _turn(callers, app)
                 table.append(("engine worker killed", during, await _health(http),
-                              models.engine.last_death or ""))
+                              models.worker.last_death or ""))
 
                 # 2. the store's database refuses writes
                 store = app.state.server.store
@@ -176,7 +176,7 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
     print(f"turns: {len(kept)} recorded, {len(stored)} stored")
     assert all(turn["heard"] == CALLS for _, turn, _, _ in table), table
     assert len(kept) == len(stored) == CALLS * len(table)
-    assert models.engine.restarts_done >= 1 and models.engine.worker_alive
+    assert models.worker.restarts_done >= 1 and models.worker.worker_alive
     assert "degraded" in table[2][2] and "store" in table[2][2]  # /healthz told the fault ...
     assert table[2][3].startswith("ready")  # ... and its end
     assert "degraded" in table[3][2] and "no first token" in table[3][2]

@@ -1,4 +1,4 @@
-"""SpeculativeLLMService in pipecat's run_test harness, on a tiny random-weight engine."""
+"""ChatLLMService in pipecat's run_test harness, on a tiny random-weight engine."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from llm_engine.prompts import encode_chat
 from tests.voiceagent.scripted_engine import RecordingAsyncEngine, ScriptedEngine
 from voiceagent.pipeline.chat_backend import EngineChat
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
-from voiceagent.pipeline.llm_service import SpeculativeLLMService, chat_messages
+from voiceagent.pipeline.llm_service import ChatLLMService, chat_messages
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 
 SESSION = "call-1"
@@ -59,8 +59,8 @@ def make_serving(model, tokenizer):
         serving.close()
 
 
-def _service(serving, tokenizer, **kwargs) -> SpeculativeLLMService:
-    return SpeculativeLLMService(EngineChat(serving, tokenizer), session_id=SESSION, **kwargs)
+def _service(serving, tokenizer, **kwargs) -> ChatLLMService:
+    return ChatLLMService(EngineChat(serving, tokenizer), session_id=SESSION, **kwargs)
 
 
 def _context(text: str) -> LLMContextFrame:

@@ -29,7 +29,7 @@ from tests.voiceagent.tiny_shared import tiny_shared
 from voiceagent.config import LLMConfig
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.chat_backend import ToolUse
-from voiceagent.pipeline.llm_service import SpeculativeLLMService
+from voiceagent.pipeline.llm_service import ChatLLMService
 from voiceagent.pipeline.metrics import EngineStatsMetricsData
 from voiceagent.pipeline.remote_llm import (
     RemoteChat,
@@ -115,7 +115,7 @@ async def test_a_reply_is_the_engines_with_client_timing_and_the_servers_specula
     _app, url, shared = remote
     sampling = SamplingConfig(max_new_tokens=24, temperature=0.0)
     chat = await _connect(_llm(url, name="remote-ngram"), sampling)
-    direct = await shared.engine.generate(encode_chat(shared.llm.target.tokenizer, HELLO),
+    direct = await shared.worker.generate(encode_chat(shared.llm.target.tokenizer, HELLO),
                                           sampling=sampling)
     handle = chat.submit(HELLO, None, "call-1", None)  # None: the backend's default sampling
     deltas = [delta.text async for delta in handle]
@@ -156,7 +156,7 @@ async def test_cancel_closes_the_stream_and_the_server_stops_generating(slow_rem
     server = app.state.server
     assert done.finish_reason == "cancelled"
     assert done.stats.cancel_to_stop_ms is None  # the server's stop is not seen from here
-    assert await until(lambda: shared.engine.in_flight == 0, 5), "the server kept generating"
+    assert await until(lambda: shared.worker.in_flight == 0, 5), "the server kept generating"
     assert all(h.done for h in server.api_handles)
     (served,) = [await h.result() for h in server.api_handles]
     assert served.finish_reason == "cancelled" and len(served.token_ids) < 2000
@@ -165,7 +165,7 @@ async def test_cancel_closes_the_stream_and_the_server_stops_generating(slow_rem
 async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(slow_remote):
     _app, url, shared = slow_remote
     chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=2000, temperature=0.0))
-    llm = SpeculativeLLMService(chat, session_id="call-3")
+    llm = ChatLLMService(chat, session_id="call-3")
     context = LLMContext(messages=HELLO)
     frames = [LLMContextFrame(context=context), SleepFrame(sleep=1.5), InterruptionFrame(),
               SleepFrame(sleep=0.5)]
@@ -175,13 +175,13 @@ async def test_barge_in_on_the_pipeline_service_cancels_the_remote_request(slow_
     assert any(isinstance(f, LLMTextFrame) for f in down)
     assert stats.interrupted and stats.finish_reason == "cancelled"
     assert stats.stats.method == "voiceagent"
-    assert await until(lambda: shared.engine.in_flight == 0, 5), "the server kept generating"
+    assert await until(lambda: shared.worker.in_flight == 0, 5), "the server kept generating"
 
 
 async def test_the_dashboard_names_the_remote_and_its_unknown_speculation(remote, tmp_path):
     _app, url, _shared = remote
     chat = await _connect(_llm(url, name="box-2"))
-    front = SharedModels(llm=None, engine=None, chat=chat)
+    front = SharedModels(llm=None, worker=None, chat=chat)
     cfg = server_config(tmp_path, "llm.backend=openai", f"llm.base_url={url}")
     async with serving(cfg, front) as (_front_app, base):
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
@@ -247,7 +247,7 @@ async def test_vllms_speculation_counters_give_its_acceptance(vllm_metrics_page)
 async def test_healthz_is_degraded_while_the_remotes_requests_fail(remote, tmp_path):
     _app, url, _shared = remote
     chat = await _connect(_llm(url), SamplingConfig(max_new_tokens=4))
-    front = SharedModels(llm=None, engine=None, chat=chat)
+    front = SharedModels(llm=None, worker=None, chat=chat)
     cfg = server_config(tmp_path, "llm.backend=openai", f"llm.base_url={url}")
     async with serving(cfg, front) as (_front_app, base):
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:

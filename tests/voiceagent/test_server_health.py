@@ -34,13 +34,13 @@ async def test_a_dead_llm_worker_restarts_and_healthz_and_metrics_count_it(tmp_p
                                      base_url="http://127.0.0.1") as http:
             break_forward_once(shared.llm.target.model, SystemExit("exit called mid-forward"))
             prompt = shared.llm.target.tokenizer.encode("Hello")
-            failed = await asyncio.wait_for(shared.engine.generate(prompt), 5)
+            failed = await asyncio.wait_for(shared.worker.generate(prompt), 5)
             for _ in range(250):  # the backoff: 0.5 s
                 health = await http.get("/healthz")
                 if health.status_code == 200:
                     break
                 await asyncio.sleep(0.02)
-            served = await asyncio.wait_for(shared.engine.generate(prompt), 10)
+            served = await asyncio.wait_for(shared.worker.generate(prompt), 10)
             metrics = _samples((await http.get("/metrics")).text)
     finally:
         shared.close()
@@ -64,7 +64,7 @@ async def test_a_dead_llm_worker_makes_healthz_503_and_its_gauge_0(tmp_path):
             assert _worker_up((await http.get("/metrics")).text) == 1
             go.set()
             prompt = shared.llm.target.tokenizer.encode("Hello")
-            failed = await asyncio.wait_for(shared.engine.generate(prompt), 5)
+            failed = await asyncio.wait_for(shared.worker.generate(prompt), 5)
             health = await http.get("/healthz")
             up = _worker_up((await http.get("/metrics")).text)
     finally:

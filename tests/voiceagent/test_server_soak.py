@@ -78,7 +78,7 @@ async def test_a_soak_of_calls_leaves_nothing_behind_and_memory_flat(tmp_path, m
         for first in range(0, CALLS, AT_ONCE):
             await asyncio.gather(*(_call(url, n, audio)
                                    for n in range(first, min(first + AT_ONCE, CALLS))))
-        engine = models.engine
+        engine = models.worker
         settled = await until(lambda: not server.calls.active and engine.in_flight == 0
                                and server.events.subscribers == 0, 15)
         memory.append(settled_memory())

@@ -1,4 +1,4 @@
-"""Tool calls in a call: SpeculativeLLMService with its tools registered (tool_calls.py) and the
+"""Tool calls in a call: ChatLLMService with its tools registered (tool_calls.py) and the
 assistant aggregator, in pipecat's run_test harness on a tiny random-weight engine. A turn whose
 words match a tool's trigger requires a call of that tool, so the random model's reply is a valid
 call whatever its weights (the tools grammar)."""
@@ -33,7 +33,7 @@ from llm_engine.grammar import TOOL_CALL_BEGIN
 from tests.voiceagent.scripted_engine import RecordingAsyncEngine, ScriptedEngine
 from voiceagent.config import AgentConfig
 from voiceagent.pipeline.chat_backend import EngineChat
-from voiceagent.pipeline.llm_service import SpeculativeLLMService
+from voiceagent.pipeline.llm_service import ChatLLMService
 from voiceagent.pipeline.tool_calls import ToolPolicy, register_tools
 from voiceagent.tools import load_tools
 
@@ -126,7 +126,7 @@ class Probe(FrameProcessor):
 
 async def _run(serving, tokenizer, context: LLMContext, frames: list, system_prompt="Be brief.",
                tools=TOOLS, **agent) -> Probe:
-    llm = SpeculativeLLMService(EngineChat(serving, tokenizer), session_id="call-1",
+    llm = ChatLLMService(EngineChat(serving, tokenizer), session_id="call-1",
                                 system_prompt=system_prompt, tools=ToolPolicy(tuple(tools)))
     register_tools(llm, tools, AgentConfig(**{"tool_filler_after_s": 0.3, **agent}))
     probe = Probe()

@@ -31,4 +31,4 @@ def tiny_shared(break_on: threading.Event | None = None, method: str = "off",
         break_forward(model, SystemExit("exit called mid-forward"), break_on)
     llm = LLMRuntime(target, None, make_pair_card(target, None, config, target.param_bytes),
                      engine)
-    return SharedModels(llm=llm, engine=llm.serve(restarts))
+    return SharedModels(llm=llm, worker=llm.serve(restarts))

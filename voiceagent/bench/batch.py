@@ -117,7 +117,7 @@ def run_batch_bench(cfg: Config, args) -> int:
     sizes = sorted({int(n) for n in args.batch.split(",")})
     if not sizes or sizes[0] < 1:
         raise ValueError("--batch takes session counts of at least 1, e.g. 1,2,4")
-    modes = [m.strip() for m in (args.modes or f"off,{cfg.engine.speculation.method}").split(",")]
+    modes = [m.strip() for m in (args.methods or f"off,{cfg.engine.speculation.method}").split(",")]
     modes = list(dict.fromkeys(m for m in modes if m))
     for mode in modes:
         methods.check(mode, "method")

@@ -256,7 +256,7 @@ def run_call_bench(cfg: Config, args) -> int:
     script = yaml.safe_load(script_path.read_text())
     backends = parse_backends(args.backend)
     default = ",".join(["off", "ngram", *backends]) if backends else DEFAULT_VARIANTS
-    modes = [m.strip() for m in (args.modes or default).split(",") if m.strip()]
+    modes = [m.strip() for m in (args.methods or default).split(",") if m.strip()]
     variants = [Variant.parse(m) for m in modes]
     for v in variants:
         v.configure(cfg)  # a bad override fails now, not after the models have loaded

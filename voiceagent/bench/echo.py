@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = {n: variants[n] for n in names}
     configs = {name: variant_config(cfg, copy.deepcopy(v or {})) for name, v in variants.items()}
     tools = load_tools(cfg.agent.tools)
-    from llm_engine.serving import AsyncEngine
+    from llm_engine.serving import EngineWorker
 
-    serving, runtime = AsyncEngine.build(
+    serving, runtime = EngineWorker.build(
         lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, logs.write))
     chat = EngineChat(serving, runtime.target.tokenizer)
     if tools:

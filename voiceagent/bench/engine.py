@@ -445,8 +445,8 @@ NEEDS = {"draft": "a draft model", "eagle": "an EAGLE head"}  # by the engine se
 
 def settings_from_args(args, cfg: Config) -> BenchSettings:
     """Flags over the config's sampling; `--quick` fills what the flags leave unset."""
-    if args.modes:
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.methods:
+        modes = [m.strip() for m in args.methods.split(",") if m.strip()]
     else:
         modes = (["off", "ngram"] + (["draft"] if cfg.engine.draft else [])
                  + (["eagle"] if cfg.engine.eagle else []))

@@ -43,7 +43,7 @@ async def measure_floor(cfg: Config, shared: SharedModels, utterances: list[str]
         tr = StreamingTranscriber(speech.whisper, cfg.asr)
         tr.feed(audio)
         asr.append(tr.final().model_ms)
-        if shared.engine is None:
+        if shared.worker is None:
             continue  # a remote LLM: its stages are the server's
         session = f"floor-{i}"
         system = [{"role": "system", "content": cfg.agent.system_prompt}]

@@ -57,7 +57,7 @@ async def knee(cfg: Config, shared, audio: list, callers: list[int],
                runs: list[tuple[str, str, bool]], threshold_ms: float, say) -> dict:
     levels = []
     bar = progress_bar(len(runs) * len(callers), "bench serve --knee", "level")
-    engine = shared.engine.engine if shared.engine is not None else None
+    engine = shared.worker.engine if shared.worker is not None else None
     for label, method, shared_forwards in runs:
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.engine.speculation.method = method

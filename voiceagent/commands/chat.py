@@ -8,20 +8,20 @@ import json
 import sys
 
 from llm_engine.prompts import encode_chat
-from llm_engine.serving import AsyncEngine
+from llm_engine.serving import EngineWorker
 from voiceagent import logs
 from voiceagent.config import Config
 from voiceagent.llm_setup import build_runtime
 
 
 def apply_chat_flags(cfg: Config, args) -> Config:
-    """Fold --speculative/--draft/--temperature/... into the engine config."""
+    """Fold --method/--draft/--temperature/... into the engine config."""
     spec, sampling = cfg.engine.speculation, cfg.engine.sampling
     if args.draft:
         cfg.engine.draft = args.draft
         spec.method = "draft"
-    if args.speculative:
-        spec.method = args.speculative
+    if args.method:
+        spec.method = args.method
     if args.temperature is not None:
         sampling.temperature = args.temperature
     if args.max_new_tokens is not None:
@@ -45,7 +45,7 @@ def summary(stats) -> str:
     return ", ".join(parts)
 
 
-async def _run(serving: AsyncEngine, prompt_ids: list[int], stream: bool):
+async def _run(serving: EngineWorker, prompt_ids: list[int], stream: bool):
     try:
         handle = serving.submit(prompt_ids)
         async for delta in handle:
@@ -61,7 +61,7 @@ def run_chat(cfg: Config, args) -> int:
     cfg = apply_chat_flags(cfg, args)
     say = logs.write  # progress goes to stderr
     # Loaded on the engine's own thread: torch work on two threads slows both.
-    serving, runtime = AsyncEngine.build(
+    serving, runtime = EngineWorker.build(
         lambda: build_runtime(cfg.engine, cfg.paths.cache_dir, say))
     prompt_ids = encode_chat(runtime.target.tokenizer, [{"role": "user", "content": args.prompt}])
     result = asyncio.run(_run(serving, prompt_ids, stream=not args.json))

@@ -1,7 +1,7 @@
 """Assemble one call's pipecat pipeline from the config and the process-wide models.
 
     transport.input() -> PausingVADProcessor (Silero) -> StreamingWhisperSTTService
-      -> DTMFAggregator -> user aggregator -> SpeculativeLLMService -> ClausePiperTTSService
+      -> DTMFAggregator -> user aggregator -> ChatLLMService -> ClausePiperTTSService
       -> HeldReplyGate -> transport.output() -> assistant aggregator
 
 Early preparation (turn.prepare) runs through it: the VAD reports the caller's pause, the STT
@@ -36,14 +36,14 @@ from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_transport import BaseTransport
 
 from llm_engine.prompts import encode_chat
-from llm_engine.serving import AsyncEngine
+from llm_engine.serving import EngineWorker
 from voiceagent.config import Config, LLMConfig, TurnConfig
 from voiceagent.llm_setup import LLMRuntime, build_runtime
 from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat
 from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.held_reply import HeldReplyGate
-from voiceagent.pipeline.llm_service import SpeculativeLLMService
+from voiceagent.pipeline.llm_service import ChatLLMService
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.pipeline.speech_models import SpeechModels
 from voiceagent.pipeline.stt import make_stt
@@ -59,23 +59,23 @@ from voiceagent.urls import redact
 @dataclass
 class SharedModels:
     """Loaded once per process and shared by every call. With a remote LLM (`llm.backend:
-    openai`) there is no in-process engine: `llm` and `engine` are None. `speech` is None in a
+    openai`) there is no in-process engine: `llm` and `worker` are None. `speech` is None in a
     process that serves no calls (tests of the HTTP API)."""
 
     llm: LLMRuntime | None
-    engine: AsyncEngine | None
+    worker: EngineWorker | None
     chat: ChatBackend | None = None  # the pipeline's LLM; None: the in-process engine
     speech: SpeechModels | None = None
 
     def __post_init__(self) -> None:
         if self.chat is None:
-            if self.engine is None or self.llm is None:
-                raise ValueError("SharedModels needs an engine or a chat backend")
-            self.chat = EngineChat(self.engine, self.llm.target.tokenizer)
+            if self.worker is None or self.llm is None:
+                raise ValueError("SharedModels needs an engine worker or a chat backend")
+            self.chat = EngineChat(self.worker, self.llm.target.tokenizer)
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        if self.worker is not None:
+            self.worker.close()
         if self.speech is not None:
             self.speech.close()
 
@@ -88,7 +88,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     imported first: a bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)
     fallback = cfg.llm.fallback
-    engine = llm = None
+    worker = llm = None
     if "engine" in (cfg.llm.backend, fallback and fallback.backend):
         def build() -> LLMRuntime:
             runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
@@ -96,9 +96,9 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
             runtime.engine.keep_prefix(call_prefix(cfg, runtime.target.tokenizer, tools))
             return runtime
 
-        engine, llm = AsyncEngine.build(build, restarts=cfg.engine.worker_restarts)
+        worker, llm = EngineWorker.build(build, restarts=cfg.engine.worker_restarts)
     try:
-        local = EngineChat(engine, llm.target.tokenizer) if engine is not None else None
+        local = EngineChat(worker, llm.target.tokenizer) if worker is not None else None
         if tools and local is not None:
             uses = ToolPolicy(tuple(tools), cfg.agent.max_tool_calls).every_use()
             progress(f"compiling the {len(uses)} grammars of {len(tools)} tool(s) ...")
@@ -108,10 +108,10 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
             second = local if fallback.backend == "engine" else _remote(fallback, cfg, progress)
             chat = FailoverChat(chat, second, cfg.llm.first_token_timeout_s)
     except BaseException:
-        if engine is not None:
-            engine.close()
+        if worker is not None:
+            worker.close()
         raise
-    shared = SharedModels(llm=llm, engine=engine, chat=chat)
+    shared = SharedModels(llm=llm, worker=worker, chat=chat)
     try:
         shared.speech = SpeechModels.load(cfg, progress)
     except BaseException:
@@ -122,7 +122,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
 
 def call_prefix(cfg: Config, tokenizer, tools: list) -> list[int]:
     """What every call's prompt starts with: the system prompt, the example exchange and the
-    tools, as `SpeculativeLLMService` sends them through `EngineChat`."""
+    tools, as `ChatLLMService` sends them through `EngineChat`."""
     messages = [{"role": "system", "content": cfg.agent.system_prompt},
                 *cfg.agent.example_messages()]
     return encode_chat(tokenizer, messages, [t.schema for t in tools] or None)
@@ -140,7 +140,7 @@ class CallPipeline:
     task: PipelineWorker
     clocks: ClocksObserver
     context: LLMContext
-    llm: SpeculativeLLMService
+    llm: ChatLLMService
 
 
 def _remote(llm: LLMConfig, cfg: Config, progress: Callable[[str], None]) -> RemoteChat:
@@ -185,7 +185,7 @@ def build_call(
     strategies = turn_strategies(cfg.turn, speech.smart_turn)
     aggregators = LLMContextAggregatorPair(
         context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies))
-    llm = SpeculativeLLMService(
+    llm = ChatLLMService(
         shared.chat,
         session_id=call_id,
         system_prompt=cfg.agent.system_prompt,

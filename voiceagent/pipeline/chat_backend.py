@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from llm_engine.config import GrammarSpec, SamplingConfig
 from llm_engine.prompts import encode_chat
-from llm_engine.serving import AsyncEngine, Completion, TextDelta
+from llm_engine.serving import Completion, EngineWorker, TextDelta
 
 
 def grammar_method(method: str) -> str:
@@ -84,33 +84,33 @@ class ChatBackend(Protocol):
 class EngineChat:
     """The in-process engine: the chat template applied here, KV reused per call session."""
 
-    engine: AsyncEngine
+    worker: EngineWorker
     tokenizer: Any
 
     @property
     def model(self) -> str:
-        return self.engine.engine.config.target
+        return self.worker.engine.config.target
 
     @property
     def name(self) -> str:
-        return self.engine.engine.config.speculation.method
+        return self.worker.engine.config.speculation.method
 
     def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
                session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
         prompt = encode_chat(self.tokenizer, messages, tools.tools if tools else None)
         if tools is not None and (sampling is None or sampling.max_new_tokens > 1):
-            sampling = replace(sampling or self.engine.engine.config.sampling,
+            sampling = replace(sampling or self.worker.engine.config.sampling,
                                grammar=tools.grammar())
         # Draft through the grammar where its output is mostly forced: a required call, or a
         # JSON response. A reply that may be words keeps its method (and its dashboard label).
         forced = tools.required if tools is not None else sampling and sampling.grammar
         if forced:
             method = grammar_method(method or self.name)
-        return self.engine.submit(prompt, sampling, session_id, method)
+        return self.worker.submit(prompt, sampling, session_id, method)
 
     def drop_session(self, session_id: str) -> None:
-        self.engine.engine.drop_session(session_id)
+        self.worker.engine.drop_session(session_id)
 
     def prepare_tools(self, uses: list[ToolUse]) -> None:
         """Compile the grammars of these tool uses now, not on a call's event loop."""
-        self.engine.engine.compile_grammars([use.grammar() for use in uses])
+        self.worker.engine.compile_grammars([use.grammar() for use in uses])

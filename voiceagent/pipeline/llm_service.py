@@ -1,7 +1,7 @@
-"""SpeculativeLLMService: pipecat's LLM service contract on top of our engine (or a remote one).
+"""ChatLLMService: pipecat's LLM service contract on top of our engine (or a remote one).
 
 The service turns pipecat's universal `LLMContext` into chat messages, submits them to its
-`ChatBackend` (chat_backend.py: the shared in-process `llm_engine.serving.AsyncEngine`, or a
+`ChatBackend` (chat_backend.py: the shared in-process `llm_engine.serving.EngineWorker`, or a
 remote OpenAI-compatible server, remote_llm.py), and streams the text deltas out as pipecat expects
 (`LLMFullResponseStartFrame`, `LLMTextFrame`s, `LLMFullResponseEndFrame`; compare
 pipecat/services/openai/base_llm.py `process_frame`). Each request's
@@ -177,7 +177,7 @@ class _Request:
     early: dict[str, asyncio.Task] = field(default_factory=dict)  # read-only calls run already
 
 
-class SpeculativeLLMService(LLMService):
+class ChatLLMService(LLMService):
     """A pipecat LLM service backed by the speculative engine or a remote server (frames: module
     doc).
 

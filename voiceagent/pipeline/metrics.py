@@ -14,7 +14,7 @@ from llm_engine.stats import FinishReason, RequestStats
 class EngineStatsMetricsData(MetricsData):
     """One LLM request's engine statistics.
 
-    Pushed by SpeculativeLLMService when a request ends, interrupted or not.
+    Pushed by ChatLLMService when a request ends, interrupted or not.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

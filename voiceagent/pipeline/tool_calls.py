@@ -31,7 +31,7 @@ from voiceagent.pipeline.chat_backend import ToolUse
 from voiceagent.tools import Tool, ToolResult
 
 if TYPE_CHECKING:
-    from voiceagent.pipeline.llm_service import SpeculativeLLMService
+    from voiceagent.pipeline.llm_service import ChatLLMService
 
 # A spoken reply has no markup; a small model answering a tool's result copies the call's.
 _MARKUP = ("<", "{")
@@ -83,7 +83,7 @@ class ToolPolicy:
                 *(ToolUse(self.schemas, combo) for combo in required)]
 
 
-def register_tools(llm: SpeculativeLLMService, tools: Sequence[Tool], agent: AgentConfig) -> None:
+def register_tools(llm: ChatLLMService, tools: Sequence[Tool], agent: AgentConfig) -> None:
     for tool in tools:
         # cancel_on_interruption: a caller who barges in has moved on; the call's result would
         # answer a question nobody is waiting for.
@@ -99,7 +99,7 @@ def _early_run(tool: Tool, agent: AgentConfig):
     return run
 
 
-def _handler(llm: SpeculativeLLMService, tool: Tool, agent: AgentConfig):
+def _handler(llm: ChatLLMService, tool: Tool, agent: AgentConfig):
     async def handle(params: FunctionCallParams) -> None:
         early = llm.take_early(params.tool_call_id)  # run while the turn was being confirmed
         filler = llm.create_task(_filler(llm, agent), f"filler-{params.tool_call_id}")
@@ -126,7 +126,7 @@ def _handler(llm: SpeculativeLLMService, tool: Tool, agent: AgentConfig):
     return handle
 
 
-async def _filler(llm: SpeculativeLLMService, agent: AgentConfig) -> None:
+async def _filler(llm: ChatLLMService, agent: AgentConfig) -> None:
     if not agent.tool_filler:
         return
     await asyncio.sleep(agent.tool_filler_after_s)

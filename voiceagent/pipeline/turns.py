@@ -42,7 +42,7 @@ from pipecat.turns.user_turn_strategies import (
 
 from voiceagent.config import TurnConfig
 
-SPECULATION_TIMEOUT_S = 5.0  # a prepared reply whose turn never resolves is withdrawn
+PREPARE_TIMEOUT_S = 5.0  # a prepared reply whose turn never resolves is withdrawn
 # Words a finished sentence does not end on: a caller who stops after one is thinking ("and, um").
 CONTINUING = frozenset(
     "and or but so because if than then that which who to of for with from at in on by about "
@@ -94,13 +94,13 @@ class _Preparing(_HeardWords):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._match = NormalizedMatch()
-        self._speculation: UserTurnSpeculation | None = None
+        self._prepared: UserTurnSpeculation | None = None
         self._timeout: asyncio.Task | None = None
         self._open = False  # a user turn is in progress (a backchannel over the bot is not one)
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, EagerTranscriptionFrame) and self._open:
-            await self._speculate(frame.text)
+            await self._prepare_reply(frame.text)
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
             await self._take()  # the STT withdrew it; the frame itself reaches the LLM
         return await super().process_frame(frame)
@@ -135,19 +135,19 @@ class _Preparing(_HeardWords):
         await self._take()
         await super().cleanup()
 
-    async def _speculate(self, text: str) -> None:
+    async def _prepare_reply(self, text: str) -> None:
         await self._withdraw()  # at most one prepared reply at a time
         speculation = UserTurnSpeculation(text=" ".join([*self._finals, text.strip()]))
-        self._speculation = speculation
+        self._prepared = speculation
         self._timeout = self.task_manager.create_task(
             self._expire(speculation), f"{self}::prepared_reply_timeout")
         await self.trigger_user_turn_inference_triggered(speculation=speculation)
 
     async def _expire(self, speculation: UserTurnSpeculation) -> None:
-        await asyncio.sleep(SPECULATION_TIMEOUT_S)
+        await asyncio.sleep(PREPARE_TIMEOUT_S)
         self._timeout = None
-        if self._speculation is speculation:
-            self._speculation = None
+        if self._prepared is speculation:
+            self._prepared = None
             await self.trigger_user_turn_speculation_cancelled()
 
     async def _withdraw(self) -> None:
@@ -155,12 +155,12 @@ class _Preparing(_HeardWords):
             await self.trigger_user_turn_speculation_cancelled()
 
     async def _take(self) -> UserTurnSpeculation | None:
-        """The speculation in flight, now resolved: its timer stops."""
-        speculation, self._speculation = self._speculation, None
+        """The preparation in flight (pipecat's UserTurnSpeculation), resolved: its timer stops."""
+        prepared, self._prepared = self._prepared, None
         if self._timeout is not None:
             task, self._timeout = self._timeout, None
             await self.task_manager.cancel_task(task)
-        return speculation
+        return prepared
 
 
 class _HoldingUnfinished(_HeardWords):

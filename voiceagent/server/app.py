@@ -111,7 +111,7 @@ def create_app(
                     "admission": state.admission.headroom(
                         len(state.calls.active), state.calls.max_calls),
                     "store": store, "llm": {"backend": cfg.llm.backend, "last_error": llm_error},
-                    "engine": _engine_health(state.shared.engine)}
+                    "engine": _engine_health(state.shared.worker)}
         if state.load_error:
             return JSONResponse({"status": "failed", "error": state.load_error}, 503)
         return JSONResponse({"status": "loading", "step": state.loading_step}, 503)

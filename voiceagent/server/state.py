@@ -61,7 +61,7 @@ class ServerState:
     @property
     def engine_down(self) -> str | None:
         """Why the LLM engine's worker thread no longer runs; None while it does (or loads)."""
-        engine = self.shared.engine if self.shared else None
+        engine = self.shared.worker if self.shared else None
         if engine is None or engine.worker_alive:
             return None
         return engine.worker_error or "LLM engine worker stopped"
@@ -84,7 +84,7 @@ class ServerState:
         out as the A/B baseline (the in-process engine only: a remote server speculates, or
         not, on its own)."""
         method = self.cfg.engine.speculation.method
-        in_process = self.shared is not None and self.shared.engine is not None
+        in_process = self.shared is not None and self.shared.worker is not None
         if in_process and method != "off" and self.holdout.next_is_off():
             return "off"
         return method
@@ -97,7 +97,7 @@ class ServerState:
         ended_at = time.time() if event == "ended" else None
         llm = self.shared.llm if self.shared else None
         method = self.shared.chat.name if self.shared else self.cfg.engine.speculation.method
-        if self.shared is not None and self.shared.engine is not None and call.method:
+        if self.shared is not None and self.shared.worker is not None and call.method:
             method = call.method  # the in-process engine runs the method chosen for the call
         info = CallInfo(call.call_id, call.kind, call.started, method, config_hash(self.cfg),
                         llm.card.card_hash if llm else None, ended_at, call.call_sid)
@@ -128,7 +128,7 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
     store = open_store(cfg, on_error=lambda _error: metrics.errors.labels("store_write").inc())
     metrics.watch_store(store.health)
     def engine():
-        return state.shared.engine if state.shared else None
+        return state.shared.worker if state.shared else None
 
     metrics.watch_engine(lambda: engine().in_flight if engine() else 0,
                          lambda: engine().restarts_done if engine() else 0)
