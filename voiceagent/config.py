@@ -198,7 +198,14 @@ class StoreConfig(BaseModel):
     # Store (and so show on the dashboard) what the caller and the bot said; false keeps only
     # the clocks and the engine stats.
     transcripts: bool = True
-    retention_days: float | None = Field(30.0, gt=0)  # older calls and turns deleted; None: keep
+    # Record each call (caller left, bot right; one WAV per call), for operators to hear a slow
+    # turn. Off by default: recording a caller needs their consent where the law asks for it.
+    audio: bool = False
+    # Where recordings go; default <paths.runs_dir>/recordings. With a PostgreSQL store shared
+    # by several machines, a folder they all mount (a bucket), so any dashboard can play any call.
+    audio_dir: str | None = None
+    # Older calls, turns and recordings deleted; None: keep.
+    retention_days: float | None = Field(30.0, gt=0)
     max_queue: int = Field(10_000, ge=1)  # writes waiting for the store; beyond: spilled to disk
     # The dashboard's statistics read at most this many of the newest turns.
     max_dashboard_turns: int = Field(10_000, ge=1)

@@ -17,6 +17,8 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | `GET /api/calls?since=&before=&limit=` | `{"calls": [...], "next_before": t}`, newest first (1) |
 | `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...], "speculation": [...]}`: each turn's
   `stats.turn_speculation`, with its `turn`; 404 for an unknown id |
+| `GET /api/calls/{call_id}/audio` | the call's recording (WAV; left: caller, right: bot), when
+  `store.audio` recorded it; 404 otherwise |
 | `GET /api/pair-card` | the running pair's card; 503 while models load (2) |
 | `GET /api/backend` | the pipeline's LLM: `backend`, `model`, `name`; for a remote server also its
   `base_url` and its server-wide `speculation` counters (vLLM's Prometheus), or null |
@@ -49,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from voiceagent.dashboard.events import EventStream
 from voiceagent.dashboard.stats import facets, matching, overview, speculation, turn_speculation
 from voiceagent.pipeline.failover import FailoverChat
+from voiceagent.pipeline.recording import recording_path
 from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.urls import redact
@@ -226,6 +229,15 @@ async def api_call(request: Request, call_id: str):
     if found is None:
         raise HTTPException(404, f"no call {call_id!r}")
     return found
+
+
+@router.get("/api/calls/{call_id}/audio")
+async def api_call_audio(request: Request, call_id: str):
+    folder = _server(request).store.recordings
+    path = recording_path(folder, call_id) if folder is not None else None
+    if path is None or not await asyncio.to_thread(path.is_file):
+        raise HTTPException(404, f"no recording of call {call_id!r} (store.audio records calls)")
+    return FileResponse(path, media_type="audio/wav")
 
 
 @router.get("/api/pair-card")

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from loguru import logger
 
 from voiceagent.dashboard.journal import Journal, orphans, read_entries
+from voiceagent.pipeline.recording import prune_recordings, recordings_dir
 from voiceagent.pipeline.records import CallInfo, CallLog
 from voiceagent.pipeline.turn_record import TurnRecord
 
@@ -99,6 +100,7 @@ class TurnStore(CallLog, Protocol):
     """Writes never block (they are queued); reads return plain dicts, newest first."""
 
     where: str  # the store's name in messages: its file, or its URL without the password
+    recordings: Path | None  # the folder of the calls' recordings, pruned by retention
 
     def flush(self, timeout: float = 10.0) -> bool: ...
 
@@ -123,12 +125,16 @@ def open_store(cfg: Config, on_error: Callable[[str], None] | None = None,
     if s.url:
         from voiceagent.dashboard.store_postgres import PostgresTurnStore
 
-        return PostgresTurnStore(s.url, Path(cfg.paths.runs_dir).expanduser() / "postgres",
-                                 s.transcripts, s.max_queue, retention_days, on_error)
-    from voiceagent.config import store_path
-    from voiceagent.dashboard.store_sqlite import SQLiteTurnStore
+        store = PostgresTurnStore(s.url, Path(cfg.paths.runs_dir).expanduser() / "postgres",
+                                  s.transcripts, s.max_queue, retention_days, on_error)
+    else:
+        from voiceagent.config import store_path
+        from voiceagent.dashboard.store_sqlite import SQLiteTurnStore
 
-    return SQLiteTurnStore(store_path(cfg), s.transcripts, s.max_queue, retention_days, on_error)
+        store = SQLiteTurnStore(store_path(cfg), s.transcripts, s.max_queue, retention_days,
+                                on_error)
+    store.recordings = recordings_dir(cfg)
+    return store
 
 
 def __getattr__(name: str) -> Any:
@@ -155,6 +161,7 @@ class SQLTurnStore(ABC):
         self.files = files
         self.transcripts = transcripts
         self.retention_days = retention_days
+        self.recordings: Path | None = None  # the calls' recordings, deleted with them
         self.on_error = on_error  # called on the writer thread with each failure's text
         files.parent.mkdir(parents=True, exist_ok=True)
         self._open_schema()
@@ -389,6 +396,9 @@ class SQLTurnStore(ABC):
                               "(SELECT call_id FROM turns)", (cutoff,))
             if gone:
                 logger.info(f"turn store: deleted {gone} turn(s) older than "
+                            f"{self.retention_days:g} days")
+            if self.recordings is not None and (heard := prune_recordings(self.recordings, cutoff)):
+                logger.info(f"turn store: deleted {heard} recording(s) older than "
                             f"{self.retention_days:g} days")
         except self.errors as exc:  # the next hour tries again; writes are unaffected
             self._count(exc, "retention skipped")

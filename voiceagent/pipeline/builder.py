@@ -44,6 +44,7 @@ from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import ChatLLMService
+from voiceagent.pipeline.recording import call_recorder, recordings_dir
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.pipeline.speech_models import SpeechModels
 from voiceagent.pipeline.stt import make_stt
@@ -211,6 +212,7 @@ def build_call(
         HeldReplyGate(),
         *before_output,
         transport.output(),
+        *([call_recorder(recordings_dir(cfg), call_id)] if cfg.store.audio else []),
         aggregators.assistant(),
     ])
     clocks = ClocksObserver(call_id, on_turn)

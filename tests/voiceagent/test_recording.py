@@ -1,0 +1,113 @@
+"""Call recording (`store.audio`): off by default, a two-channel WAV per call on the call's own
+timeline when on, served only behind the dashboard's token, deleted by the store's retention."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+
+from tests.audio.speech import silence, speech
+from tests.voiceagent.serving import server_config
+from voiceagent.config import load_config
+from voiceagent.dashboard.store import open_store
+from voiceagent.pipeline.builder import load_shared
+from voiceagent.pipeline.recording import prune_recordings, recording_path, recordings_dir
+from voiceagent.server.app import create_app
+from voiceagent.sim.call import RATE, simulate_call
+
+FRAME_MS = 20  # one transport frame
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    cfg = load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}"])
+    models = load_shared(cfg, progress=lambda _: None)
+    yield models
+    models.close()
+
+
+def _onset(x: np.ndarray) -> int:
+    """The first sample that is sound, not silence or a resampler's +-1 ripple."""
+    return int(np.argmax(np.abs(x.astype(np.int32)) > 300))
+
+
+async def test_a_recorded_call_lines_up_with_the_call_and_its_clocks(shared, tmp_path):
+    cfg = load_config(None, [f"paths.runs_dir={tmp_path}", "store.audio=true"])
+    caller = np.concatenate([silence(0.5), speech("What is the capital of France?"),
+                             silence(4.0)])
+    result = await simulate_call(cfg, shared, caller)
+    [turn] = result.turns
+    path = recording_path(recordings_dir(cfg), result.call_id)
+    stereo, rate = soundfile.read(path, dtype="int16")
+    assert stereo.ndim == 2 and stereo.shape[1] == 2
+    left, right = stereo[:, 0], stereo[:, 1]
+
+    def ms(at: int, of_rate: int) -> float:
+        return at * 1000 / of_rate
+
+    # The caller's channel is the caller's audio; the bot's starts where the call heard it.
+    caller_lag = ms(_onset(left), rate) - ms(_onset(caller), RATE)
+    bot_lag = ms(_onset(right), rate) - ms(_onset(result.bot), RATE)
+    # ... which is where the stored clocks put it: the caller's speech, then clock 3.
+    turn_end_ms = ms(_onset(left), rate) + turn.breakdown.user_speech_ms
+    heard_ms = ms(_onset(right), rate) - turn_end_ms
+    clock3 = turn.clocks.turn_end_to_first_audio_ms
+    print(f"recording at {rate} Hz: caller {caller_lag:+.1f} ms, bot {bot_lag:+.1f} ms, first "
+          f"audio {heard_ms:.1f} ms after the speech against clock 3 {clock3:.1f} ms")
+    assert abs(caller_lag) <= FRAME_MS and abs(bot_lag) <= FRAME_MS
+    # The bot's sound starts after the first audio frame that clock 3 stops at, by Piper's
+    # leading silence (~60 ms); the caller's onset and the VAD's start differ by under a frame.
+    assert -FRAME_MS <= heard_ms - clock3 <= 4 * FRAME_MS
+
+
+async def test_an_unrecorded_call_leaves_no_audio_file(shared, tmp_path):
+    cfg = load_config(None, [f"paths.runs_dir={tmp_path}"])
+    assert cfg.store.audio is False  # the default
+    await simulate_call(cfg, shared, np.concatenate([silence(0.5), speech("Hello."),
+                                                     silence(3.0)]), realtime=False)
+    assert not recordings_dir(cfg).exists() or not any(recordings_dir(cfg).iterdir())
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
+
+
+async def test_a_recording_is_served_only_with_the_token_and_never_for_a_stranger_path(tmp_path):
+    cfg = server_config(tmp_path, "server.token=s3cret", "store.audio=true")
+    folder = recordings_dir(cfg)
+    folder.mkdir(parents=True)
+    (folder / "abc123.wav").write_bytes(b"RIFF....WAVE")
+    token = {"Authorization": "Bearer s3cret"}
+    async with _client(create_app(cfg)) as http:
+        assert (await http.get("/api/calls/abc123/audio")).status_code == 401
+        served = await http.get("/api/calls/abc123/audio", headers=token)
+        assert served.status_code == 200 and served.headers["content-type"] == "audio/wav"
+        assert (await http.get("/api/calls/nope/audio", headers=token)).status_code == 404
+        assert (await http.get("/api/calls/..%2Fturns/audio", headers=token)).status_code == 404
+
+
+def test_retention_deletes_a_recording_with_its_call(tmp_path):
+    cfg = server_config(tmp_path, "store.retention_days=30")
+    folder = recordings_dir(cfg)
+    folder.mkdir(parents=True)
+    old, new = folder / "old.wav", folder / "new.wav"
+    for path in (old, new):
+        path.write_bytes(b"RIFF")
+    days_ago = time.time() - 40 * 86400
+    os.utime(old, (days_ago, days_ago))
+    assert prune_recordings(folder, time.time() - 30 * 86400) == 1
+    assert not old.exists() and new.exists()
+    os.utime(new, (days_ago, days_ago))
+    store = open_store(cfg)  # retention runs as its writer starts
+    try:
+        deadline = time.monotonic() + 10
+        while new.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not new.exists()
+    finally:
+        store.close()
