@@ -3,32 +3,24 @@ timeline when on, served only behind the dashboard's token, deleted by the store
 
 from __future__ import annotations
 
+import io
 import os
 import time
 
 import httpx
 import numpy as np
-import pytest
 import soundfile
 
 from tests.audio.speech import silence, speech
-from tests.voiceagent.serving import server_config
+from tests.voiceagent.serving import server_config, serving, twilio_url, until
 from voiceagent.config import load_config
 from voiceagent.dashboard.store import open_store
-from voiceagent.pipeline.builder import load_shared
 from voiceagent.pipeline.recording import prune_recordings, recording_path, recordings_dir
 from voiceagent.server.app import create_app
 from voiceagent.sim.call import RATE, simulate_call
+from voiceagent.sim.twilio_caller import TwilioCaller
 
 FRAME_MS = 20  # one transport frame
-
-
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    cfg = load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}"])
-    models = load_shared(cfg, progress=lambda _: None)
-    yield models
-    models.close()
 
 
 def _onset(x: np.ndarray) -> int:
@@ -36,11 +28,11 @@ def _onset(x: np.ndarray) -> int:
     return int(np.argmax(np.abs(x.astype(np.int32)) > 300))
 
 
-async def test_a_recorded_call_lines_up_with_the_call_and_its_clocks(shared, tmp_path):
+async def test_a_recorded_call_lines_up_with_the_call_and_its_clocks(models, tmp_path):
     cfg = load_config(None, [f"paths.runs_dir={tmp_path}", "store.audio=true"])
     caller = np.concatenate([silence(0.5), speech("What is the capital of France?"),
                              silence(4.0)])
-    result = await simulate_call(cfg, shared, caller)
+    result = await simulate_call(cfg, models, caller)
     [turn] = result.turns
     path = recording_path(recordings_dir(cfg), result.call_id)
     stereo, rate = soundfile.read(path, dtype="int16")
@@ -65,12 +57,31 @@ async def test_a_recorded_call_lines_up_with_the_call_and_its_clocks(shared, tmp
     assert -FRAME_MS <= heard_ms - clock3 <= 4 * FRAME_MS
 
 
-async def test_an_unrecorded_call_leaves_no_audio_file(shared, tmp_path):
+async def test_an_unrecorded_call_leaves_no_audio_file(models, tmp_path):
     cfg = load_config(None, [f"paths.runs_dir={tmp_path}"])
     assert cfg.store.audio is False  # the default
-    await simulate_call(cfg, shared, np.concatenate([silence(0.5), speech("Hello."),
+    await simulate_call(cfg, models, np.concatenate([silence(0.5), speech("Hello."),
                                                      silence(3.0)]), realtime=False)
     assert not recordings_dir(cfg).exists() or not any(recordings_dir(cfg).iterdir())
+
+
+async def test_a_phone_call_on_the_server_is_recorded_and_served_with_the_token(models, tmp_path):
+    cfg = server_config(tmp_path, "store.audio=true", "server.token=s3cret")
+    async with serving(cfg, models) as (app, base):
+        async with TwilioCaller(twilio_url(base), token="s3cret") as caller:
+            await caller.start()
+            said = await caller.say(speech("What is the capital of France?"))
+            assert await caller.reply(said.ended, 45) is not None
+            await caller.hang_up()
+        assert await until(lambda: not app.state.server.calls.active, 15)
+        [call_id] = [p.stem for p in recordings_dir(cfg).glob("*.wav")]
+        async with httpx.AsyncClient(base_url=base) as http:
+            served = await http.get(f"/api/calls/{call_id}/audio",
+                                    headers={"Authorization": "Bearer s3cret"})
+    stereo, rate = soundfile.read(io.BytesIO(served.content), dtype="int16")
+    assert rate == 8000 and stereo.shape[1] == 2  # the phone line's rate, both sides
+    assert np.abs(stereo[:, 0]).max() > 1000  # the caller spoke
+    assert np.abs(stereo[:, 1]).max() > 1000  # the bot answered before the hang-up
 
 
 def _client(app) -> httpx.AsyncClient:
