@@ -15,7 +15,12 @@ from tests.audio.speech import silence, speech
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
 from voiceagent.config import load_config
 from voiceagent.dashboard.store import open_store
-from voiceagent.pipeline.recording import prune_recordings, recording_path, recordings_dir
+from voiceagent.pipeline.recording import (
+    prune_recordings,
+    recording_path,
+    recordings_dir,
+    started_at,
+)
 from voiceagent.server.app import create_app
 from voiceagent.sim.call import RATE, simulate_call
 from voiceagent.sim.twilio_caller import TwilioCaller
@@ -49,12 +54,16 @@ async def test_a_recorded_call_lines_up_with_the_call_and_its_clocks(models, tmp
     turn_end_ms = ms(_onset(left), rate) + turn.breakdown.user_speech_ms
     heard_ms = ms(_onset(right), rate) - turn_end_ms
     clock3 = turn.clocks.turn_end_to_first_audio_ms
+    # The turn's wall-clock start is where the caller's speech starts on the recording.
+    start_lag = (turn.started_at - started_at(path)) * 1000 - ms(_onset(left), rate)
     print(f"recording at {rate} Hz: caller {caller_lag:+.1f} ms, bot {bot_lag:+.1f} ms, first "
-          f"audio {heard_ms:.1f} ms after the speech against clock 3 {clock3:.1f} ms")
+          f"audio {heard_ms:.1f} ms after the speech against clock 3 {clock3:.1f} ms, turn "
+          f"start {start_lag:+.1f} ms")
     assert abs(caller_lag) <= FRAME_MS and abs(bot_lag) <= FRAME_MS
     # The bot's sound starts after the first audio frame that clock 3 stops at, by Piper's
     # leading silence (~60 ms); the caller's onset and the VAD's start differ by under a frame.
     assert -FRAME_MS <= heard_ms - clock3 <= 4 * FRAME_MS
+    assert abs(start_lag) <= 2 * FRAME_MS
 
 
 async def test_an_unrecorded_call_leaves_no_audio_file(models, tmp_path):
@@ -78,6 +87,7 @@ async def test_a_phone_call_on_the_server_is_recorded_and_served_with_the_token(
         async with httpx.AsyncClient(base_url=base) as http:
             served = await http.get(f"/api/calls/{call_id}/audio",
                                     headers={"Authorization": "Bearer s3cret"})
+    assert float(served.headers["x-recording-started-at"]) > time.time() - 120
     stereo, rate = soundfile.read(io.BytesIO(served.content), dtype="int16")
     assert rate == 8000 and stereo.shape[1] == 2  # the phone line's rate, both sides
     assert np.abs(stereo[:, 0]).max() > 1000  # the caller spoke

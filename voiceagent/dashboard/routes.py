@@ -18,7 +18,8 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...], "speculation": [...]}`: each turn's
   `stats.turn_speculation`, with its `turn`; 404 for an unknown id |
 | `GET /api/calls/{call_id}/audio` | the call's recording (WAV; left: caller, right: bot), when
-  `store.audio` recorded it; 404 otherwise |
+  `store.audio` recorded it, with `X-Recording-Started-At` (unix s at its first sample, the clock
+  of the turns' `started_at`); 404 otherwise |
 | `GET /api/pair-card` | the running pair's card; 503 while models load (2) |
 | `GET /api/backend` | the pipeline's LLM: `backend`, `model`, `name`; for a remote server also its
   `base_url` and its server-wide `speculation` counters (vLLM's Prometheus), or null |
@@ -51,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from voiceagent.dashboard.events import EventStream
 from voiceagent.dashboard.stats import facets, matching, overview, speculation, turn_speculation
 from voiceagent.pipeline.failover import FailoverChat
-from voiceagent.pipeline.recording import recording_path
+from voiceagent.pipeline.recording import recording_path, started_at
 from voiceagent.pipeline.remote_llm import RemoteChat
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.urls import redact
@@ -237,7 +238,9 @@ async def api_call_audio(request: Request, call_id: str):
     path = recording_path(folder, call_id) if folder is not None else None
     if path is None or not await asyncio.to_thread(path.is_file):
         raise HTTPException(404, f"no recording of call {call_id!r} (store.audio records calls)")
-    return FileResponse(path, media_type="audio/wav")
+    start = await asyncio.to_thread(started_at, path)
+    headers = {"X-Recording-Started-At": f"{start:.3f}"} if start is not None else {}
+    return FileResponse(path, media_type="audio/wav", headers=headers)
 
 
 @router.get("/api/pair-card")

@@ -6,6 +6,7 @@ dashboard serves it behind its token; the store's retention deletes it with the 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from pathlib import Path
@@ -51,13 +52,14 @@ class CallRecorder(FrameProcessor):
         super().__init__()
         self._path, self._call_id = path, call_id
         self._t0: float | None = None
+        self._started_at = 0.0  # the wall clock at the timeline's 0, as turn records keep time
         self._caller: list[tuple[bytes, int]] = []  # (pcm, rate), in order
         self._bot: list[tuple[float, bytes, int]] = []  # (seconds from the start, pcm, rate)
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         await super().process_frame(frame, direction)
         if isinstance(frame, StartFrame):
-            self._t0 = time.monotonic()
+            self._t0, self._started_at = time.monotonic(), time.time()
         elif self._t0 is not None and isinstance(frame, InputAudioRawFrame):
             self._caller.append((frame.audio, frame.sample_rate))
         elif self._t0 is not None and isinstance(frame, OutputAudioRawFrame):
@@ -71,7 +73,7 @@ class CallRecorder(FrameProcessor):
         if self._path is None or not (caller or bot):
             return
         try:
-            await asyncio.to_thread(_write, self._path, _stereo(caller, bot))
+            await asyncio.to_thread(_write, self._path, _stereo(caller, bot), self._started_at)
         except OSError as exc:  # a full disk costs the recording, never the call
             logger.error(f"call {self._call_id}: recording not written: {exc}")
 
@@ -95,18 +97,31 @@ def _stereo(caller: list[tuple[bytes, int]], bot: list[tuple[float, bytes, int]]
     return stereo, rate
 
 
-def _write(path: Path, audio: tuple[np.ndarray, int]) -> None:
+def _write(path: Path, audio: tuple[np.ndarray, int], started_at: float) -> None:
     stereo, sample_rate = audio
     path.parent.mkdir(parents=True, exist_ok=True)
+    started_path(path).write_text(json.dumps({"started_at": started_at}))
     partial = path.with_suffix(".partial.wav")
     write_wav(partial, stereo, sample_rate)
     partial.replace(path)  # a reader never sees half a file
 
 
+def started_path(recording: Path) -> Path:
+    """Beside a recording: the wall clock (epoch seconds) at its first sample."""
+    return recording.with_suffix(".json")
+
+
+def started_at(recording: Path) -> float | None:
+    try:
+        return float(json.loads(started_path(recording).read_text())["started_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def prune_recordings(folder: Path, older_than: float) -> int:
     """Delete the recordings last written before `older_than` (epoch seconds); how many."""
     gone = 0
-    for path in folder.glob("*.wav") if folder.is_dir() else ():
+    for path in [*folder.glob("*.wav"), *folder.glob("*.json")] if folder.is_dir() else ():
         try:
             if path.stat().st_mtime < older_than:
                 path.unlink()
