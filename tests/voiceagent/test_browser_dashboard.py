@@ -66,7 +66,8 @@ CHART_DATA = """(id) => (document.getElementById(id).data || []).map((t) => ({
 
 
 def _store_overrides(tmp) -> list[str]:
-    return [f"store.path={tmp / 'turns.sqlite'}", f"paths.runs_dir={tmp / 'runs'}"]
+    return [f"store.path={tmp / 'turns.sqlite'}", f"paths.runs_dir={tmp / 'runs'}",
+            "store.audio=true"]
 
 
 def _serve_args(tmp, *overrides: str) -> list[str]:
@@ -409,6 +410,39 @@ def test_calls_list_shows_the_call_and_a_click_draws_its_waterfall(dashboard, st
                 "itl_ms.mean": t["clocks"]["itl_ms"]["mean"],
                 "turn_end_to_first_audio_ms": t["clocks"]["turn_end_to_first_audio_ms"]}
         dashboard.expect(shown == want, f"turn {t['turn']} clocks: page {shown}, api {want}")
+
+
+def test_a_recorded_call_shows_its_waveform_with_marks_and_plays_from_a_turn(dashboard,
+                                                                            stored_call):
+    _, call_id = stored_call
+    page = dashboard.page
+    turns = dashboard.api(f"/api/calls/{call_id}")["turns"]
+    audio = httpx.get(f"{dashboard.url}/api/calls/{call_id}/audio", timeout=10)
+    started = float(audio.headers["x-recording-started-at"])
+    page.click(f'#calls tr[data-call-id="{call_id}"]')
+    dashboard.wait("() => document.getElementById('waveform').dataset.drawn === '1'",
+                   "the recording's waveform was never drawn")
+    # Three marks a turn (its speech end, the hangover, the first audio); no barge-in here.
+    marks = int(page.get_attribute("#waveform", "data-marks"))
+    dashboard.expect(marks == 3 * len(turns), f"{marks} marks for {len(turns)} turns")
+    inked = page.evaluate("""() => {
+      const c = document.getElementById("waveform");
+      const px = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+      const lane = (top) => { let n = 0;
+        for (let y = top; y < top + c.height / 2; y++) for (let x = 0; x < c.width; x++) {
+          if (px[(y * c.width + x) * 4 + 3] > 0) n++; }
+        return n; };
+      return [lane(0), lane(c.height / 2)];
+    }""")
+    dashboard.expect(min(inked) > 2000, f"pixels drawn per lane (caller, bot): {inked}")
+    last = turns[-1]
+    speech_end = last["started_at"] - started + last["breakdown"]["user_speech_ms"] / 1000
+    page.click(f'#call-turns tbody tr[data-turn="{last["turn"]}"]')
+    dashboard.wait("""(at) => { const a = document.getElementById("call-audio");
+      return !a.paused && a.currentTime >= at && a.currentTime < at + 3; }""",
+                   "the click did not play the turn from a second before its speech end",
+                   max(0.0, speech_end - 1))
+    page.evaluate("() => document.getElementById('call-audio').pause()")
 
 
 def _wait_for_waterfall(dashboard, turns: int) -> None:

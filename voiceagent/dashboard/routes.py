@@ -62,7 +62,7 @@ from voiceagent.urls import redact
 # `store`, `shared`, `events`), at `app.state.server`.
 ServerState = Any
 STATIC = Path(__file__).resolve().parent / "static"
-PAGE_FILES = ("dashboard.js", "dashboard.css")
+PAGE_FILES = ("dashboard.js", "recording.js", "dashboard.css")
 KEEPALIVE_S = 15.0
 COUNTERS_MAX_AGE_S = 10.0  # a remote LLM's speculation counters, read once for every dashboard
 CALLS_BATCH = 500  # calls read at a time while filtering the calls list

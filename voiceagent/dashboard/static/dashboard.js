@@ -469,6 +469,7 @@ function renderWaterfall(turns) {
       name,
       y: labels,
       x: values.map((v) => (isNum(v) ? v : 0)), // a segment not measured counts as 0
+      customdata: turns.map((t) => t.turn), // a click plays the turn from the recording
       marker: { color: colour },
       hovertext: turns.map((t, i) => {
         const v = values[i];
@@ -496,6 +497,11 @@ function renderWaterfall(turns) {
   });
   lay.yaxis = { autorange: "reversed", type: "category", gridcolor: "#eee" };
   plot("chart-waterfall", turns.length ? traces : [], lay, "no turns in this call");
+  const div = $("chart-waterfall");
+  if (!div.dataset.clickable) {
+    div.on("plotly_click", onChartClick);
+    div.dataset.clickable = "1";
+  }
 }
 
 // ---- overview and the A/B table ---------------------------------------------------------------
@@ -738,6 +744,7 @@ async function showCall(callId) {
     renderCallTurns([]);
     renderCallSpeculation([]);
     renderWaterfall([]);
+    await showRecording(callId, []);
     return;
   }
   if (calls.selected !== callId) return; // another call was clicked meanwhile
@@ -748,6 +755,7 @@ async function showCall(callId) {
   renderCallTurns(r.turns);
   renderCallSpeculation(r.speculation || []);
   renderWaterfall(r.turns);
+  await showRecording(callId, r.turns);
 }
 
 // ---- pair card --------------------------------------------------------------------------------
@@ -874,8 +882,16 @@ function onCallsClick(e) {
 }
 
 function onChartClick(data) {
-  const callId = data.points && data.points[0] && data.points[0].customdata;
-  if (typeof callId === "string") run(() => showCall(callId));
+  // A point's customdata: a call id (the clocks' charts open the call) or a turn number (the
+  // waterfall plays the turn).
+  const key = data.points && data.points[0] && data.points[0].customdata;
+  if (typeof key === "string") run(() => showCall(key));
+  if (typeof key === "number") playTurn(key);
+}
+
+function onTurnClick(e) {
+  const tr = e.target.closest("tr[data-turn]");
+  if (tr) playTurn(Number(tr.dataset.turn));
 }
 
 function start() {
@@ -894,6 +910,7 @@ function start() {
     }
   });
   $("calls-more").addEventListener("click", () => run(olderCalls));
+  $("call-turns").addEventListener("click", onTurnClick);
   run(() => Promise.all([refreshAll(), refreshPairCard(), refreshBackend()]));
   connectEvents();
   setInterval(refreshSoon, SLIDE_MS);
