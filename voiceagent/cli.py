@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--since", help="only turns since an ISO date/time (2026-11-30, "
                    "2026-11-30T06:00, local time) or a duration back from now (90m, 24h, 7d); "
                    "default: all turns")
+    p.add_argument("--turn", action="append", metavar="CALL_ID:N", default=[],
+                   help="add this turn as it sounded: its call's recording (store.audio) with "
+                   "its stages marked, as a PNG (repeatable)")
     return parser
 
 

@@ -416,15 +416,15 @@ def test_a_recorded_call_shows_its_waveform_with_marks_and_plays_from_a_turn(das
                                                                             stored_call):
     _, call_id = stored_call
     page = dashboard.page
-    turns = dashboard.api(f"/api/calls/{call_id}")["turns"]
-    audio = httpx.get(f"{dashboard.url}/api/calls/{call_id}/audio", timeout=10)
-    started = float(audio.headers["x-recording-started-at"])
+    found = dashboard.api(f"/api/calls/{call_id}")
+    turns, started = found["turns"], found["recording"]["started_at"]
     page.click(f'#calls tr[data-call-id="{call_id}"]')
     dashboard.wait("() => document.getElementById('waveform').dataset.drawn === '1'",
                    "the recording's waveform was never drawn")
     # Three marks a turn (its speech end, the hangover, the first audio); no barge-in here.
     marks = int(page.get_attribute("#waveform", "data-marks"))
-    dashboard.expect(marks == 3 * len(turns), f"{marks} marks for {len(turns)} turns")
+    dashboard.expect(marks == len(found["recording"]["marks"]) == 3 * len(turns),
+                     f"{marks} marks drawn for {len(turns)} turns")
     inked = page.evaluate("""() => {
       const c = document.getElementById("waveform");
       const px = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;

@@ -9,11 +9,15 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 import soundfile
 
 from tests.audio.speech import silence, speech
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
+from tests.voiceagent.turns import make_turn
+from voiceagent.cli import main
 from voiceagent.config import load_config
+from voiceagent.dashboard.stats import recording_marks
 from voiceagent.dashboard.store import open_store
 from voiceagent.pipeline.recording import (
     prune_recordings,
@@ -37,7 +41,11 @@ async def test_a_recorded_call_lines_up_with_the_call_and_its_clocks(models, tmp
     cfg = load_config(None, [f"paths.runs_dir={tmp_path}", "store.audio=true"])
     caller = np.concatenate([silence(0.5), speech("What is the capital of France?"),
                              silence(4.0)])
-    result = await simulate_call(cfg, models, caller)
+    store = open_store(cfg)
+    try:
+        result = await simulate_call(cfg, models, caller, store=store)
+    finally:
+        store.close()
     [turn] = result.turns
     path = recording_path(recordings_dir(cfg), result.call_id)
     stereo, rate = soundfile.read(path, dtype="int16")
@@ -64,6 +72,16 @@ async def test_a_recorded_call_lines_up_with_the_call_and_its_clocks(models, tmp
     # leading silence (~60 ms); the caller's onset and the VAD's start differ by under a frame.
     assert -FRAME_MS <= heard_ms - clock3 <= 4 * FRAME_MS
     assert abs(start_lag) <= 2 * FRAME_MS
+
+    # `voiceagent report --turn` draws the same turn from the same recording.
+    out = tmp_path / "report.md"
+    assert main(["report", "--out", str(out), "--turn", f"{result.call_id}:1",
+                 "--set", f"paths.runs_dir={tmp_path}"]) == 0
+    png = tmp_path / "report_files" / f"turn-{result.call_id}-1.png"
+    assert f"report_files/turn-{result.call_id}-1.png" in out.read_text()
+    assert png.stat().st_size > 10_000
+    assert main(["report", "--out", str(out), "--turn", f"{result.call_id}:7",
+                 "--set", f"paths.runs_dir={tmp_path}"]) == 2  # no such turn: a clear error
 
 
 async def test_an_unrecorded_call_leaves_no_audio_file(models, tmp_path):
@@ -132,3 +150,19 @@ def test_retention_deletes_a_recording_with_its_call(tmp_path):
         assert not new.exists()
     finally:
         store.close()
+
+
+def test_the_marks_are_each_turns_stages_on_the_recordings_clock():
+    first, second = make_turn("c", 1, started_at=1010.0), make_turn("c", 2, started_at=1013.5)
+    first.interrupted = True  # the second turn started over its reply
+    b, clock3 = first.breakdown, first.clocks.turn_end_to_first_audio_ms
+    marks = recording_marks([first.to_dict(), second.to_dict()], started_at=1000.0)
+    want = [(1, "speech end", 10 + b.user_speech_ms / 1000),
+            (1, "hangover", 10 + (b.user_speech_ms + b.vad_hangover_ms) / 1000),
+            (1, "first audio", 10 + (b.user_speech_ms + clock3) / 1000),
+            (1, "barge-in", 13.5)]
+    got = [(m["turn"], m["mark"], m["s"]) for m in marks if m["turn"] == 1]
+    assert [(t, name) for t, name, _ in got] == [(t, name) for t, name, _ in want]
+    assert [s for *_, s in got] == pytest.approx([s for *_, s in want])
+    assert [m["mark"] for m in marks if m["turn"] == 2] == ["speech end", "hangover",
+                                                            "first audio"]

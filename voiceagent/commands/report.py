@@ -19,6 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import quote
 
+from voiceagent.commands.turn_audio import draw_turn_audio, parse_turn
 from voiceagent.config import Config, store_path
 from voiceagent.dashboard.stats import (
     BREAKDOWN,
@@ -503,7 +504,15 @@ def run_report(cfg: Config, args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = out.parent / f"{out.stem}_files"
     plots = write_plots(window, folder) if window.turns else {}
-    out.write_text(render(build_report(cfg, window, plots, out.parent)))
+    report = build_report(cfg, window, plots, out.parent)
+    for call_id, n in (parse_turn(text) for text in args.turn):
+        folder.mkdir(parents=True, exist_ok=True)
+        png = folder / f"turn-{call_id}-{n}.png"
+        caption = draw_turn_audio(cfg, call_id, n, png, DPI)
+        src = quote(png.relative_to(out.parent).as_posix())
+        report.sections.insert(-1, Section(f"Turn {n} of call {call_id}, as heard", caption,
+                                           image=src))
+    out.write_text(render(report))
     note = f"{len(plots)} plot(s) in {folder}" if window.turns else "no turns in the window"
     print(f"wrote {out} ({note})")
     return 0

@@ -15,8 +15,9 @@ statistics run off the event loop, over at most `store.max_dashboard_turns` turn
 | `GET /api/speculation?since=` | `stats.speculation` of those turns |
 | `GET /api/filters?since=` | `stats.facets`: the methods and config hashes there are to filter by |
 | `GET /api/calls?since=&before=&limit=` | `{"calls": [...], "next_before": t}`, newest first (1) |
-| `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...], "speculation": [...]}`: each turn's
-  `stats.turn_speculation`, with its `turn`; 404 for an unknown id |
+| `GET /api/calls/{call_id}` | `{"call": {...}, "turns": [...], "speculation": [...], "recording"}`:
+  each turn's `stats.turn_speculation`, with its `turn`; `recording` (null when not recorded):
+  its wall-clock start and `stats.recording_marks`; 404 for an unknown id |
 | `GET /api/calls/{call_id}/audio` | the call's recording (WAV; left: caller, right: bot), when
   `store.audio` recorded it, with `X-Recording-Started-At` (unix s at its first sample, the clock
   of the turns' `started_at`); 404 otherwise |
@@ -50,7 +51,14 @@ from fastapi.responses import FileResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from voiceagent.dashboard.events import EventStream
-from voiceagent.dashboard.stats import facets, matching, overview, speculation, turn_speculation
+from voiceagent.dashboard.stats import (
+    facets,
+    matching,
+    overview,
+    recording_marks,
+    speculation,
+    turn_speculation,
+)
 from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.recording import recording_path, started_at
 from voiceagent.pipeline.remote_llm import RemoteChat
@@ -224,12 +232,22 @@ async def api_call(request: Request, call_id: str):
             records = (TurnRecord.from_dict(t) for t in found["turns"])
             found["speculation"] = [{"turn": r.turn, **turn_speculation(r.engine)}
                                     for r in records]
+            found["recording"] = _recording(store.recordings, call_id, found["turns"])
         return found
 
     found = await asyncio.to_thread(read)
     if found is None:
         raise HTTPException(404, f"no call {call_id!r}")
     return found
+
+
+def _recording(folder: Path | None, call_id: str, turns: list[dict]) -> dict | None:
+    """A recorded call's recording: where it starts on the wall clock, and its turns' marks."""
+    path = recording_path(folder, call_id) if folder is not None else None
+    start = started_at(path) if path is not None and path.is_file() else None
+    if start is None:
+        return None
+    return {"started_at": start, "marks": recording_marks(turns, start)}
 
 
 @router.get("/api/calls/{call_id}/audio")

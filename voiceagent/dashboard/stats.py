@@ -232,3 +232,27 @@ def turn_speculation(engine: RequestStats | None) -> dict:
         "k_max": max(asked, default=None),
         "k_mean": sum(asked) / len(asked) if asked else None,
     }
+
+
+def recording_marks(turns: list[dict], started_at: float) -> list[dict]:
+    """Where each turn's stages fall on its call's recording (seconds from its first sample,
+    `started_at` being the wall clock there): the caller's speech end, the end of the VAD's
+    hangover, the bot's first audio (clock 3 after the speech end), and a barge-in where the
+    next turn cut the reply short. The dashboard's waveform and `voiceagent report` draw these."""
+    records = [TurnRecord.from_dict(t) for t in turns]
+    marks = []
+    for r, after in zip(records, [*records[1:], None], strict=True):
+        start = r.started_at - started_at
+        end = r.breakdown.user_speech_ms
+        stages = {"speech end": end,
+                  "hangover": _plus(end, r.breakdown.vad_hangover_ms),
+                  "first audio": _plus(end, r.clocks.turn_end_to_first_audio_ms)}
+        marks += [{"turn": r.turn, "mark": name, "s": start + ms / 1000}
+                  for name, ms in stages.items() if ms is not None]
+        if r.interrupted and after is not None:
+            marks.append({"turn": r.turn, "mark": "barge-in", "s": after.started_at - started_at})
+    return marks
+
+
+def _plus(a: float | None, b: float | None) -> float | None:
+    return a + b if a is not None and b is not None else None

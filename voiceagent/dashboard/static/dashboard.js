@@ -744,7 +744,7 @@ async function showCall(callId) {
     renderCallTurns([]);
     renderCallSpeculation([]);
     renderWaterfall([]);
-    await showRecording(callId, []);
+    await showRecording(callId, null);
     return;
   }
   if (calls.selected !== callId) return; // another call was clicked meanwhile
@@ -755,7 +755,7 @@ async function showCall(callId) {
   renderCallTurns(r.turns);
   renderCallSpeculation(r.speculation || []);
   renderWaterfall(r.turns);
-  await showRecording(callId, r.turns);
+  await showRecording(callId, r.recording);
 }
 
 // ---- pair card --------------------------------------------------------------------------------

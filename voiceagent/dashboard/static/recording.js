@@ -1,47 +1,14 @@
 // A call's recording on the dashboard: both channels' waveforms (caller above, bot below) with
-// each turn's stages marked, and playback from a turn. Everything is drawn here from the WAV
-// the server sends (no library, nothing from a CDN); turns are placed by their wall-clock start
-// against the recording's (`X-Recording-Started-At`).
+// each turn's stages marked where the server placed them (`stats.recording_marks`, via
+// /api/calls/{id}), and playback from a turn. Drawn here from the WAV the server sends: no
+// library, nothing from a CDN.
 "use strict";
 
-const MARKS = [
-  // [name, colour, seconds on the recording of a turn t (null: no mark)]
-  ["speech end", "#1f77b4", (t, at) => at(t, "breakdown.user_speech_ms")],
-  ["hangover", "#9467bd", (t, at) => at(t, "breakdown.user_speech_ms", "breakdown.vad_hangover_ms")],
-  ["first audio", "#2ca02c", (t, at) => at(t, "breakdown.user_speech_ms",
-    "clocks.turn_end_to_first_audio_ms")],
-];
-const BARGE_IN = "#d62728";
+const MARK_COLOURS = {
+  "speech end": "#1f77b4", hangover: "#9467bd", "first audio": "#2ca02c", "barge-in": "#d62728",
+};
 
-const recording = { url: null, startedAt: null, turns: [], audio: null };
-
-function recordingSeconds(t, ...paths) {
-  // A turn's start plus the named durations (ms), on the recording's clock; null if any is missing.
-  if (recording.startedAt == null || !isNum(t.started_at)) return null;
-  let s = t.started_at - recording.startedAt;
-  for (const p of paths) {
-    const v = get(t, p);
-    if (!isNum(v)) return null;
-    s += v / 1000;
-  }
-  return s;
-}
-
-function turnMarks(turns) {
-  const marks = [];
-  turns.forEach((t, i) => {
-    for (const [name, colour, where] of MARKS) {
-      const s = where(t, recordingSeconds);
-      if (s != null) marks.push({ turn: t.turn, name, colour, s });
-    }
-    const next = turns[i + 1];
-    if (t.interrupted && next) {
-      const s = recordingSeconds(next); // the caller's speech over the bot
-      if (s != null) marks.push({ turn: t.turn, name: "barge-in", colour: BARGE_IN, s });
-    }
-  });
-  return marks;
-}
+const recording = { url: null, marks: [] };
 
 function drawWaveform(canvas, buffer, marks) {
   const ctx = canvas.getContext("2d");
@@ -68,52 +35,43 @@ function drawWaveform(canvas, buffer, marks) {
   ctx.fillText("caller", 4, 12);
   ctx.fillText("bot", 4, laneH + 12);
   for (const m of marks) {
-    const x = Math.round((m.s / buffer.duration) * width);
-    ctx.fillStyle = m.colour;
-    ctx.fillRect(x, 0, 2, height);
+    ctx.fillStyle = MARK_COLOURS[m.mark] || "#000";
+    ctx.fillRect(Math.round((m.s / buffer.duration) * width), 0, 2, height);
   }
   canvas.dataset.marks = String(marks.length);
   canvas.dataset.drawn = "1";
 }
 
-async function showRecording(callId, turns) {
-  const box = $("recording");
+async function showRecording(callId, rec) {
+  // `rec`: the call's `recording` from /api/calls/{id} (null: not recorded).
   const canvas = $("waveform");
   const audio = $("call-audio");
   if (recording.url) URL.revokeObjectURL(recording.url);
-  Object.assign(recording, { url: null, startedAt: null, turns: [] });
+  Object.assign(recording, { url: null, marks: [] });
   canvas.dataset.drawn = "";
   audio.removeAttribute("src");
+  $("recording").hidden = !rec;
+  $("recording-none").hidden = Boolean(rec);
+  if (!rec) return;
   const res = await fetch(`/api/calls/${encodeURIComponent(callId)}/audio`);
-  if (res.status === 404) {
-    box.hidden = true;
-    $("recording-none").hidden = false;
-    return;
-  }
   if (!res.ok) throw new Error(`recording of ${callId}: HTTP ${res.status}`);
   const bytes = await res.arrayBuffer();
   if ($("call-detail").dataset.callId !== callId) return; // another call was opened meanwhile
-  const started = parseFloat(res.headers.get("X-Recording-Started-At"));
-  Object.assign(recording, { startedAt: isNum(started) ? started : null, turns });
+  recording.marks = rec.marks;
   recording.url = URL.createObjectURL(new Blob([bytes], { type: "audio/wav" }));
   audio.src = recording.url;
-  box.hidden = false;
-  $("recording-none").hidden = true;
   const decoded = await new OfflineAudioContext(1, 1, 8000).decodeAudioData(bytes.slice(0));
-  const marks = turnMarks(turns);
-  drawWaveform(canvas, decoded, marks);
-  const legend = [...MARKS.map(([name, colour]) => [name, colour]), ["barge-in", BARGE_IN]];
-  $("recording-legend").replaceChildren(...legend.map(([name, colour]) =>
+  drawWaveform(canvas, decoded, rec.marks);
+  $("recording-legend").replaceChildren(...Object.entries(MARK_COLOURS).map(([name, colour]) =>
     el("span", { class: "mark", style: `border-color: ${colour}` }, name)));
 }
 
 function playTurn(turnNumber) {
   // From a second before the caller stopped speaking, so the wait is heard from its start.
-  const t = recording.turns.find((x) => x.turn === turnNumber);
-  const end = t && recordingSeconds(t, "breakdown.user_speech_ms");
-  if (end == null || !recording.url) return;
+  const end = recording.marks.find((m) => m.turn === turnNumber && m.mark === "speech end");
+  if (!end || !recording.url) return;
   const audio = $("call-audio");
-  audio.currentTime = Math.max(0, end - 1);
+  audio.currentTime = Math.max(0, end.s - 1);
   audio.play().catch(() => {}); // a browser may refuse sound before a gesture: the seek stands
   $("waveform").dataset.playingTurn = String(turnNumber);
 }
