@@ -249,6 +249,19 @@ class PathsConfig(BaseModel):
     runs_dir: str = "runs"  # per-call turn records
 
 
+class TelemetryConfig(BaseModel):
+    """Each finished turn as an OpenTelemetry trace, for operators who collect traces."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # An OTLP/HTTP traces endpoint (http://collector:4318/v1/traces); None: no traces.
+    otlp_endpoint: str | None = None
+    # Headers for the collector (an API key); from the environment rather than a file:
+    # VOICEAGENT_TELEMETRY__HEADERS='{"x-api-key": "..."}'.
+    headers: dict[str, str] = Field(default_factory=dict)
+    service_name: str = "voiceagent"
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -262,6 +275,7 @@ class Config(BaseModel):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     paths: PathsConfig = Field(default_factory=PathsConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
 
 def store_path(cfg: Config) -> Path:

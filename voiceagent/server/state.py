@@ -17,6 +17,7 @@ from voiceagent.dashboard.store import TurnStore, open_store
 from voiceagent.llm_setup import resident_bytes
 from voiceagent.pipeline.builder import SharedModels
 from voiceagent.pipeline.records import CallInfo, TurnRecords
+from voiceagent.pipeline.telemetry import telemetry_sink
 from voiceagent.server.ab import OffHoldout
 from voiceagent.server.admission import Admission
 from voiceagent.server.calls import ActiveCall, CallRegistry
@@ -133,7 +134,8 @@ def new_state(cfg: Config, shared: SharedModels | None) -> ServerState:
     metrics.watch_engine(lambda: engine().in_flight if engine() else 0,
                          lambda: engine().restarts_done if engine() else 0)
     state = ServerState(cfg, calls, store, events, metrics,
-                        TurnRecords([store, events, metrics, admission]), shared=shared,
+                        TurnRecords([store, events, metrics, admission,
+                                     *filter(None, [telemetry_sink(cfg)])]), shared=shared,
                         admission=admission)
     calls.listeners.append(state.on_call)
     return state

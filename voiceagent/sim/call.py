@@ -19,6 +19,7 @@ from audio.wav import write_wav
 from voiceagent.config import Config, config_hash
 from voiceagent.pipeline.builder import SharedModels, build_call
 from voiceagent.pipeline.records import CallInfo, CallLog, JsonlTurnSink, TurnRecords
+from voiceagent.pipeline.telemetry import telemetry_sink
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.wav_transport import WavCallTransport
 
@@ -52,7 +53,8 @@ async def simulate_call(
     """
     transport = WavCallTransport(audio, RATE, RATE, realtime=realtime)
     sink = JsonlTurnSink(cfg.paths.runs_dir)
-    records = TurnRecords([sink])
+    ours = [sink, *filter(None, [telemetry_sink(cfg)])]  # closed here; the store is the caller's
+    records = TurnRecords(list(ours))
     call = build_call(cfg, shared, transport, records.add, method=method)
     if store is not None:
         records.sinks.append(store)
@@ -73,7 +75,8 @@ async def simulate_call(
         call.clocks.flush()
         if store is not None:
             store.end_call(call.call_id, time.time())
-        sink.close()
+        for mine in ours:
+            mine.close()
     seconds = max(len(audio) / RATE, transport.clock.now())
     bot = transport.output().timeline(seconds)
     return CallResult(
