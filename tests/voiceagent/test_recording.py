@@ -88,7 +88,7 @@ async def test_an_unrecorded_call_leaves_no_audio_file(models, tmp_path):
     cfg = load_config(None, [f"paths.runs_dir={tmp_path}"])
     assert cfg.store.audio is False  # the default
     await simulate_call(cfg, models, np.concatenate([silence(0.5), speech("Hello."),
-                                                     silence(3.0)]), realtime=False)
+                                                     silence(3.0)]))
     assert not recordings_dir(cfg).exists() or not any(recordings_dir(cfg).iterdir())
 
 
