@@ -203,7 +203,7 @@ class SpeculativeEngine:
         # Drafts without q are verified with per-position noise, so their tokens do not depend on
         # the K schedule. A sampling draft model's do: it draws from the generator in step order,
         # and a timing-driven gate would make a seeded request's tokens vary between runs.
-        samples = methods.METHODS[method.rpartition("+")[2]].samples_drafts
+        samples = methods.innermost(method).samples_drafts
         timing_free = not is_greedy(sampling) and sampling.seed is not None and samples
         return RequestState(
             prompt_ids=prompt_ids,

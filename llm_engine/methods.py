@@ -67,9 +67,14 @@ def help_text() -> str:
     return f"{plain}, or " + " or ".join(f"{m}+<one>" for m in names() if METHODS[m].combines)
 
 
+def innermost(name: str) -> Method:
+    """The method that drafts with a model where a combined one ("grammar+draft") has nothing."""
+    return METHODS[name.rpartition("+")[2]]
+
+
 def model_setting(name: str) -> str | None:
     """The engine setting naming the model a method drafts with: a combined method's innermost."""
-    return METHODS[name.rpartition("+")[2]].model_setting
+    return innermost(name).model_setting
 
 
 def model_settings() -> dict[str, str]:

@@ -83,18 +83,25 @@ def call_recorder(folder: Path, call_id: str) -> CallRecorder:
 
 
 def _stereo(caller: list[tuple[bytes, int]], bot: list[tuple[float, bytes, int]]):
-    """Both tracks at the bot's rate (the caller's where the bot never spoke): (samples, rate)."""
+    """Both tracks at the bot's rate (the caller's where the bot never spoke): (samples, rate).
+    The caller's track is resampled once, whole: chunk by chunk, the filter's edges would click
+    every 20 ms."""
     rate = bot[0][2] if bot else caller[0][1]
-    left = np.concatenate([resample(np.frombuffer(pcm, dtype=np.int16), r, rate)
-                           for pcm, r in caller]) if caller else np.zeros(0, np.int16)
-    chunks = [(int(at * rate), resample(np.frombuffer(pcm, dtype=np.int16), r, rate))
-              for at, pcm, r in bot]
+    caller_rate = caller[0][1] if caller else rate
+    left = resample(np.concatenate([_at(pcm, r, caller_rate) for pcm, r in caller])
+                    if caller else np.zeros(0, np.int16), caller_rate, rate)
+    chunks = [(int(at * rate), _at(pcm, r, rate)) for at, pcm, r in bot]
     n = max([len(left), *(start + len(x) for start, x in chunks)])
     stereo = np.zeros((n, 2), dtype=np.int16)
     stereo[: len(left), 0] = left
     for start, x in chunks:
         stereo[start : start + len(x), 1] = x
     return stereo, rate
+
+
+def _at(pcm: bytes, rate: int, to_rate: int) -> np.ndarray:
+    """A chunk as int16 at its track's rate (a no-op but for a chunk at another rate)."""
+    return resample(np.frombuffer(pcm, dtype=np.int16), rate, to_rate)
 
 
 def _write(path: Path, audio: tuple[np.ndarray, int], started_at: float) -> None:
