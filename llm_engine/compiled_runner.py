@@ -24,15 +24,26 @@ from llm_engine.runner import Forward, TargetRunner
 BUCKETS = (1, 4, 8, 12, 16)
 
 
+def supports(model: torch.nn.Module) -> str | None:
+    """Why the compiled runner cannot serve `model`, or None when it can."""
+    if not kv.plain_head(model):
+        return (f"{type(model).__name__}: the compiled runner needs a decoder and a plain "
+                "output head")
+    layer = StaticCache(config=model.config, max_cache_len=1).layers[0]
+    if not hasattr(layer, "cumulative_length"):  # transformers before 5.x: no length counter
+        return "this transformers' StaticCache keeps no length counter to crop"
+    return None
+
+
 class CompiledRunner(TargetRunner):
     name = "compiled"
 
     def __init__(self, model: torch.nn.Module, max_cache_len: int,
                  buckets: tuple[int, ...] = BUCKETS):
         super().__init__(model)
-        if not kv.plain_head(model):
-            raise ValueError(f"{type(model).__name__}: the compiled runner needs a decoder and "
-                             "a plain output head; use engine.runner: eager")
+        reason = supports(model)
+        if reason:
+            raise ValueError(f"{reason}; use engine.runner: eager")
         self.max_cache_len = max_cache_len
         self.buckets = tuple(sorted(buckets))
         self._decoder = model.get_decoder()
@@ -47,7 +58,12 @@ class CompiledRunner(TargetRunner):
         return int(cache.get_seq_length())
 
     def crop(self, cache: StaticCache, length: int) -> None:
-        kv.crop_to(cache, length)
+        # Lowering each layer's counter is what StaticLayer.crop does in transformers 5.24+;
+        # 5.17 has the counter but no crop.
+        extra = self.length(cache) - length
+        if extra > 0:
+            for layer in cache.layers:
+                layer.cumulative_length.sub_(extra)
 
     @torch.inference_mode()
     def forward(self, cache: StaticCache, input_ids: torch.Tensor,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from llm_engine import compact_draft, cost_model, eagle_head, formats
+from llm_engine import compact_draft, compiled_runner, cost_model, eagle_head, formats
 from llm_engine.compiled_runner import CompiledRunner
 from llm_engine.config import EngineConfig
 from llm_engine.contract import compatibility, make_pair_card
@@ -190,8 +190,9 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
     if kind == "auto":
         lean_fits = fmt in ("bfloat16", "int8", "q4") and lean_llama.supports(model) is None
         cuda = next(model.parameters()).device.type == "cuda"
+        compiles = cuda and compiled_runner.supports(model) is None
         kind = "lean" if lean_fits and (not cuda or fmt != "bfloat16") else \
-            ("compiled" if cuda else "eager")
+            ("compiled" if compiles else "eager")
     if kind == "lean":
         gguf = Path(target.source) if target.gguf_file else None
         max_rows = engine_cfg.speculation.max_draft_tokens + 1

@@ -94,3 +94,15 @@ def test_the_engine_on_the_compiled_runner_is_lossless(target, tokenizer, compil
         got, state = run(engine, prompt)
         assert got == want
         assert state.stats.accepted > 0  # the target drafting for itself: verified rows
+
+
+def test_the_compiled_runner_crops_by_its_own_counter_where_static_layers_cannot(target):
+    """transformers 5.17's StaticLayer has the length counter but no crop; the runner must crop
+    there too (it failed on a GPU machine with that version)."""
+    runner = CompiledRunner(target, 32, buckets=(1,))
+    cache = runner.new_cache()
+    runner.forward(cache, TOKENS)
+    for layer in cache.layers:
+        layer.crop = None  # as on 5.17: calling it would fail
+    runner.crop(cache, 3)
+    assert runner.length(cache) == 3
