@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,7 @@ class SpeculativeEngine:
         self._dropped: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._grammars: GrammarCache | None = None  # built by the first constrained request
+        self._scoring: tuple[list[int], Any] | None = None  # next_logprob's prompt and cache
 
     # -- request lifecycle -------------------------------------------------------------------
 
@@ -338,6 +340,22 @@ class SpeculativeEngine:
                     yield tokens
         finally:
             self.release(state)
+
+    @torch.inference_mode()
+    def next_logprob(self, prompt_ids: list[int], token_id: int) -> float:
+        """log p(token_id | prompt_ids) under the target: a classifier's question, not a request.
+        One forward on a cache of its own, which keeps the last scored prompt, so that only what
+        differs from it runs (questions that share a template cost their new words)."""
+        if not prompt_ids or len(prompt_ids) > self.config.max_context:
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens cannot be scored")
+        scored, cache = self._scoring or ([], self.runner.new_cache())
+        self._scoring = None  # until this forward has left the cache whole
+        keep = min(kv.common_prefix_len(scored, prompt_ids), len(prompt_ids) - 1)
+        self.runner.crop(cache, keep)
+        out = self.runner.forward(cache, torch.tensor([prompt_ids[keep:]], device=self.device),
+                                  last_only=True)
+        self._scoring = (list(prompt_ids), cache)
+        return float(out.logits[-1].float().log_softmax(-1)[token_id])
 
     # -- the ladder: prefill, decode, speculative step -----------------------------------------
 

@@ -184,6 +184,40 @@ RESTART_WINDOW_S = 600.0  # a worker that died `restarts` times in this long sta
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubling with each recent death
 
 
+class _Job:
+    """A one-off call on the worker thread (not a request: no steps, no stats)."""
+
+    def __init__(self, fn: Callable[[SpeculativeEngine], Any], loop: asyncio.AbstractEventLoop):
+        self.fn, self.loop = fn, loop
+        self.future: asyncio.Future = loop.create_future()
+
+    def run(self, engine: SpeculativeEngine) -> None:
+        try:
+            result = self.fn(engine)
+        except Exception as exc:  # the caller hears it; the worker serves on
+            self.fail(exc)
+            return
+        self._post(result, None)
+
+    def fail(self, exc: BaseException) -> None:
+        self._post(None, exc)
+
+    def _post(self, result: Any, exc: BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, exc)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the caller stopped waiting
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 class EngineWorker:
     """Runs a `SpeculativeEngine` on its own worker thread for asyncio callers.
 
@@ -200,7 +234,7 @@ class EngineWorker:
         self.restarts_done = 0
         self.last_death: str | None = None  # why the worker last died, restarted or not
         self._deaths: deque[float] = deque()
-        self._inbox: queue.Queue[RequestHandle | None] = queue.Queue()
+        self._inbox: queue.Queue[RequestHandle | _Job | None] = queue.Queue()
         self._closed = False
         self.in_flight = 0  # requests submitted and not yet ended
         self._error: str | None = None  # why the worker died
@@ -252,6 +286,17 @@ class EngineWorker:
 
     async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
         return await self.submit(prompt_ids, **kwargs).result()
+
+    async def next_logprob(self, prompt_ids: list[int], token_id: int) -> float:
+        """`SpeculativeEngine.next_logprob` on the worker thread, between two rounds of steps.
+        Raises what it raised, and RuntimeError once the engine is closed or its worker died."""
+        loop = asyncio.get_running_loop()
+        job = _Job(lambda engine: engine.next_logprob(prompt_ids, token_id), loop)
+        with self._admit:
+            if self._closed or self._error is not None:
+                raise RuntimeError(self._error or "engine is closed")
+            self._inbox.put(job)
+        return await job.future
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel whatever is in flight and stop the worker."""
@@ -311,7 +356,10 @@ class EngineWorker:
                     if item is None:
                         self._shutdown(active)
                         return
-                    active.append(item)
+                    if isinstance(item, _Job):
+                        item.run(self.engine)
+                    else:
+                        active.append(item)
             except queue.Empty:
                 pass
             # One step for every request, their decode rows in one forward where the runner
@@ -371,6 +419,9 @@ class EngineWorker:
             self.in_flight = 0
         for handle in [*active, *waiting]:
             if handle is None:  # close() asked the worker to stop
+                continue
+            if isinstance(handle, _Job):
+                handle.fail(RuntimeError(error))
                 continue
             handle.state.cancel("error")
             try:

@@ -131,8 +131,15 @@ class TurnConfig(BaseModel):
     stop: Literal["vad", "smart_turn"] = "vad"
     # vad: a turn whose final words sound unfinished (ending on "and", "the", "um", a short group
     # of digits, or no closing punctuation) waits this much longer after the VAD's stop_secs for
-    # the caller to go on, so stop_secs can be short for a finished sentence. 0: off.
-    unfinished_hold_s: float = Field(0.5, ge=0)
+    # the caller to go on, so stop_secs can be short for a finished sentence. Longer than a
+    # thinking pause less stop_secs plus the VAD's start_secs (speech resumed is heard that late):
+    # 1.0 s keeps a caller's 0.7 s pause one turn. 0: off.
+    unfinished_hold_s: float = Field(1.0, ge=0)
+    # vad, with the in-process engine: the words also sound unfinished when the target's
+    # log-probability that the caller's message ends there (case and punctuation aside) is below
+    # this. Finished sentences score about -1 to -18 on the embedded SmolLM2, fragments
+    # ("what is the capital") -19 to -27; a larger model separates them further. null: off.
+    unfinished_logprob: float | None = Field(-20.0, le=0)
     # While the bot speaks, the caller takes the turn only by speaking this long (seconds), or by
     # saying this many words (pipecat's min-words strategy), so a "mm-hmm" or a cough does not cut
     # it off. Both 0: any speech the VAD hears interrupts at once.

@@ -298,3 +298,34 @@ def test_the_guard_sees_torch_on_its_thread():
     with torch_calls_on_this_thread() as hits:
         torch.Generator().manual_seed(1)
     assert hits
+
+
+async def test_next_logprob_is_the_targets_own_while_requests_run(serving, target, tokenizer):
+    """A scoring job runs between two rounds of a generating request and answers the target's
+    log-probability of the next token (the request is unaffected)."""
+    prompt = _prompt(tokenizer, "Hello, how can I help")
+    with torch.inference_mode():
+        want = target(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+    handle = serving.submit(_prompt(tokenizer, "Hello, how can I help you today?"))
+    got = await serving.next_logprob(prompt, 7)
+    alone = await serving.generate(_prompt(tokenizer, "Hello, how can I help you today?"))
+    assert got == pytest.approx(float(want[7]), abs=1e-4)
+    assert (await handle.result()).token_ids == alone.token_ids
+
+
+async def test_scores_that_share_a_prefix_equal_scores_from_scratch(serving, target, tokenizer):
+    """The scoring cache keeps the last prompt; what follows a shared prefix, a shorter prompt
+    and an unrelated one must score as if run alone."""
+    prompts = [_prompt(tokenizer, text) for text in
+               ("Hello, how can I", "Hello, how can I help you", "Hello", "Goodbye, see you")]
+    for prompt in prompts:
+        with torch.inference_mode():
+            want = target(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+        assert await serving.next_logprob(prompt, 11) == pytest.approx(float(want[11]), abs=1e-4)
+
+
+async def test_a_bad_scoring_job_fails_alone(serving, tokenizer):
+    with pytest.raises(ValueError, match="cannot be scored"):
+        await serving.next_logprob([], 7)
+    assert serving.worker_alive
+    assert (await serving.generate(_prompt(tokenizer, "Hello"))).finish_reason in ("eos", "length")

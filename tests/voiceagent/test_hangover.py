@@ -13,6 +13,7 @@ from tests.voiceagent.test_preparation import _caller
 from voiceagent.config import load_config
 from voiceagent.pipeline.builder import load_shared
 from voiceagent.pipeline.turns import sounds_unfinished
+from voiceagent.pipeline.utterance_end import UtteranceEnd, normalise
 from voiceagent.sim.call import simulate_call
 
 STOP_S = 0.3
@@ -63,3 +64,34 @@ def test_a_caller_who_trails_off_on_and_is_one_turn(cfg, shared):
     [turn] = result.turns
     assert "pizza" in turn.user_text.lower() and "salad" in turn.user_text.lower()
     assert turn.clocks.turn_end_to_first_audio_ms >= STOP_S * 1000
+
+
+def test_a_hesitant_caller_whose_fragment_whisper_punctuates_is_one_turn(cfg, shared):
+    """Whisper writes the fragment as "What is the capital?", which the words alone call
+    finished; the language model's cue holds it."""
+    audio = _caller(0.5, "What is the capital", 0.7, "of Spain?", 6.0)
+    [turn] = asyncio.run(simulate_call(cfg, shared, audio)).turns
+    assert "capital" in turn.user_text.lower() and "spain" in turn.user_text.lower()
+
+
+def test_the_words_are_scored_as_said():
+    assert normalise("What is the capital?") == "what is the capital"
+    assert normalise("My number is 555, 1234. Isn't it?") == "my number is 555 1234 isn't it"
+
+
+@pytest.mark.parametrize("text, unfinished", [
+    ("What is the capital?", True),
+    ("I would like to", True),
+    ("What is the capital of France?", False),
+    ("Hi, my order hasn't arrived yet. Can you help me?", False),
+    ("Thank you.", False),
+])
+def test_the_target_hears_which_messages_go_on(shared, text, unfinished):
+    async def ask():
+        cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -20.0)
+        try:
+            return await cue.unfinished(text)
+        finally:
+            cue.close()
+
+    assert asyncio.run(ask()) is unfinished

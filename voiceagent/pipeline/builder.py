@@ -52,6 +52,7 @@ from voiceagent.pipeline.tool_calls import ToolPolicy, register_tools
 from voiceagent.pipeline.tts import make_tts
 from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.turns import turn_strategies
+from voiceagent.pipeline.utterance_end import UtteranceEnd
 from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
 from voiceagent.tools import load_tools
 from voiceagent.urls import redact
@@ -158,6 +159,13 @@ def _remote(llm: LLMConfig, cfg: Config, progress: Callable[[str], None]) -> Rem
         return RemoteChat(llm, llm.model, llm.name or "remote", cfg.engine.sampling)
 
 
+def _utterance_end(cfg: Config, shared: SharedModels) -> UtteranceEnd | None:
+    """The language model's turn cue, where the engine runs in this process and it is on."""
+    if shared.worker is None or shared.llm is None or cfg.turn.unfinished_logprob is None:
+        return None
+    return UtteranceEnd(shared.worker, shared.llm.target.tokenizer, cfg.turn.unfinished_logprob)
+
+
 def build_call(
     cfg: Config,
     shared: SharedModels,
@@ -183,7 +191,7 @@ def build_call(
     call_id = call_id or uuid.uuid4().hex[:12]
     tools = load_tools(cfg.agent.tools)
     context = LLMContext()
-    strategies = turn_strategies(cfg.turn, speech.smart_turn)
+    strategies = turn_strategies(cfg.turn, speech.smart_turn, _utterance_end(cfg, shared))
     aggregators = LLMContextAggregatorPair(
         context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies))
     llm = ChatLLMService(

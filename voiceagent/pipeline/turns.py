@@ -1,7 +1,8 @@
 """When the caller's turn ends, and when a prepared reply stands: pipecat turn strategies.
 
 The turn ends at the VAD stop once the final transcript is in (`vad`; `turn.unfinished_hold_s`
-later when its words sound unfinished: "and", "the", "um", no closing punctuation), or when
+later when its words sound unfinished: "and", "the", "um", no closing punctuation, or a message
+the language model expects to go on, `utterance_end.py`), or when
 pipecat's local Smart Turn v3 model says the sentence is finished (`smart_turn`). With early
 preparation, a reply is started from the eager transcript of the caller's first pause (see
 stt.py), and this module decides its fate as pipecat's EagerUserTurnStopStrategy does: the turn
@@ -41,8 +42,10 @@ from pipecat.turns.user_turn_strategies import (
 )
 
 from voiceagent.config import TurnConfig
+from voiceagent.pipeline.utterance_end import UtteranceEnd
 
 PREPARE_TIMEOUT_S = 5.0  # a prepared reply whose turn never resolves is withdrawn
+SCORE_WAIT_S = 0.25  # the longest the turn end waits on the language model's cue
 # Words a finished sentence does not end on: a caller who stops after one is thinking ("and, um").
 CONTINUING = frozenset(
     "and or but so because if than then that which who to of for with from at in on by about "
@@ -165,22 +168,43 @@ class _Preparing(_HeardWords):
 
 class _HoldingUnfinished(_HeardWords):
     """Adds the transcript's own cue to a stop strategy: a turn whose words sound unfinished
-    (`sounds_unfinished`) waits `hold_s` more for the caller to go on before it ends, so the
-    VAD's hangover can be short for a finished question and still long enough for "and, um".
-    Speech in the meantime cancels the hold (the VAD's start resets the strategy)."""
+    (`sounds_unfinished`, or the language model's `UtteranceEnd` where one is given) waits
+    `hold_s` more for the caller to go on before it ends, so the VAD's hangover can be short for
+    a finished question and still long enough for "and, um" or "What is the capital ... of
+    Spain". Speech in the meantime cancels the hold (the VAD's start resets the strategy)."""
 
-    def __init__(self, *, hold_s: float = 0.0, **kwargs):
+    def __init__(self, *, hold_s: float = 0.0, utterance_end: UtteranceEnd | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
         self._hold_s = hold_s
         self._hold: asyncio.Task | None = None
+        self._utterance_end = utterance_end if hold_s > 0 else None
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, VADUserStartedSpeakingFrame):
             await self._stop_hold()
+            if self._utterance_end:
+                self._utterance_end.warm()
+        elif isinstance(frame, EagerTranscriptionFrame) and self._utterance_end:
+            self._utterance_end.prefetch(frame.text)  # scored during the hangover
+        if isinstance(frame, TranscriptionFrame) and self._utterance_end:
+            self._utterance_end.prefetch(" ".join([*self._finals, frame.text]))
         return await super().process_frame(frame)
 
+    async def _sounds_unfinished(self, text: str) -> bool:
+        if sounds_unfinished(text):
+            return True
+        if self._utterance_end is None:
+            return False
+        try:  # the score is usually ready; an engine busy for longer must not hold the turn
+            return await asyncio.wait_for(self._utterance_end.unfinished(text), SCORE_WAIT_S)
+        except TimeoutError:
+            logger.debug(f"{self}: no end-of-utterance score within {SCORE_WAIT_S} s")
+            return False
+
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
-        if self._hold_s > 0 and self._hold is None and sounds_unfinished(" ".join(self._finals)):
+        if (self._hold_s > 0 and self._hold is None
+                and await self._sounds_unfinished(" ".join(self._finals))):
             logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
             self._hold = self.task_manager.create_task(
                 self._held(enable_user_speaking_frames), f"{self}::unfinished_hold")
@@ -205,6 +229,8 @@ class _HoldingUnfinished(_HeardWords):
 
     async def cleanup(self):
         await self._stop_hold()
+        if self._utterance_end:
+            self._utterance_end.close()
         await super().cleanup()
 
     async def _stop_hold(self) -> None:
@@ -276,9 +302,11 @@ class SustainedSpeechUserTurnStartStrategy(BaseUserTurnStartStrategy):
             await self.task_manager.cancel_task(task)
 
 
-def turn_strategies(cfg: TurnConfig, smart_turn_session=None) -> UserTurnStrategies:
+def turn_strategies(cfg: TurnConfig, smart_turn_session=None,
+                    utterance_end: UtteranceEnd | None = None) -> UserTurnStrategies:
     """The user aggregator's strategies for this config; `turn.stop: smart_turn` needs the
-    process's Smart Turn session (`load_smart_turn_session`)."""
+    process's Smart Turn session (`load_smart_turn_session`); `utterance_end` adds the language
+    model's cue to `turn.stop: vad`'s hold."""
     start = default_user_turn_start_strategies()
     if cfg.min_interrupt_s > 0 or cfg.min_interrupt_words > 1:
         # Over the bot, a backchannel ("mm-hmm") shorter than either limit does not take the
@@ -288,7 +316,8 @@ def turn_strategies(cfg: TurnConfig, smart_turn_session=None) -> UserTurnStrateg
             start.append(SustainedSpeechUserTurnStartStrategy(min_speech_s=cfg.min_interrupt_s))
         if cfg.min_interrupt_words > 1:
             start.append(MinWordsUserTurnStartStrategy(min_words=cfg.min_interrupt_words))
-    return UserTurnStrategies(start=start, stop=[_stop_strategy(cfg, smart_turn_session)])
+    return UserTurnStrategies(start=start,
+                              stop=[_stop_strategy(cfg, smart_turn_session, utterance_end)])
 
 
 SMART_TURN_MODEL = ("pipecat.audio.turn.smart_turn.data", "smart-turn-v3.2-cpu.onnx")
@@ -326,7 +355,8 @@ def _smart_turn_analyzer(session):
     return SharedSessionSmartTurn()
 
 
-def _stop_strategy(cfg: TurnConfig, smart_turn_session) -> BaseUserTurnStopStrategy:
+def _stop_strategy(cfg: TurnConfig, smart_turn_session,
+                   utterance_end: UtteranceEnd | None) -> BaseUserTurnStopStrategy:
     if cfg.stop == "smart_turn":
         if smart_turn_session is None:
             raise ValueError("turn.stop is smart_turn, but no Smart Turn model is loaded")
@@ -337,7 +367,8 @@ def _stop_strategy(cfg: TurnConfig, smart_turn_session) -> BaseUserTurnStopStrat
     # The VAD's stop_secs is already the hangover; waiting longer after it only adds latency,
     # and the STT's finalized transcript releases the turn at once, unless its words sound
     # unfinished.
+    holding = {"user_speech_timeout": 0, "hold_s": cfg.unfinished_hold_s,
+               "utterance_end": utterance_end}
     if cfg.prepare:
-        return PreparingSpeechTimeoutStopStrategy(user_speech_timeout=0,
-                                                  hold_s=cfg.unfinished_hold_s)
-    return HoldingSpeechTimeoutStopStrategy(user_speech_timeout=0, hold_s=cfg.unfinished_hold_s)
+        return PreparingSpeechTimeoutStopStrategy(**holding)
+    return HoldingSpeechTimeoutStopStrategy(**holding)
