@@ -138,8 +138,9 @@ class TurnConfig(BaseModel):
     # vad, with the in-process engine: the words also sound unfinished when the target's
     # log-probability that the caller's message ends there (case and punctuation aside) is below
     # this. Finished sentences score about -1 to -18 on the embedded SmolLM2, fragments
-    # ("what is the capital") -19 to -27; a larger model separates them further. null: off.
-    unfinished_logprob: float | None = Field(-20.0, le=0)
+    # ("what is the capital") -19 to -27: -20 keeps a hesitant caller one turn. Off (null) by
+    # default: on 2 cores each turn's score costs its reply 100-250 ms (bench call).
+    unfinished_logprob: float | None = Field(None, le=0)
     # While the bot speaks, the caller takes the turn only by speaking this long (seconds), or by
     # saying this many words (pipecat's min-words strategy), so a "mm-hmm" or a cough does not cut
     # it off. Both 0: any speech the VAD hears interrupts at once.

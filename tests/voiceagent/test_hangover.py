@@ -40,7 +40,7 @@ def test_words_that_sound_unfinished(text, unfinished):
 def cfg(tmp_path_factory):
     return load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}",
                               f"vad.stop_secs={STOP_S}", f"turn.unfinished_hold_s={HOLD_S}",
-                              "turn.prepare=true"])
+                              "turn.prepare=true", "turn.unfinished_logprob=-20"])
 
 
 @pytest.fixture(scope="module")

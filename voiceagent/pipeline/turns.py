@@ -90,6 +90,13 @@ class _HeardWords(BaseUserTurnStopStrategy):
         self._finals = []
         await super().handle_user_turn_stopped()
 
+    async def _prepare_while_deciding(self) -> None:
+        """The turn may be ending on the words heard so far: start its reply now, where replies
+        can be prepared (a strategy without preparation has nothing to start)."""
+
+    async def _withdraw_prepared(self) -> None:
+        """The caller went on: withdraw a prepared reply, where there is one."""
+
 
 class _Preparing(_HeardWords):
     """Adds early preparation to a stop strategy."""
@@ -139,8 +146,15 @@ class _Preparing(_HeardWords):
         await super().cleanup()
 
     async def _prepare_reply(self, text: str) -> None:
+        await self._start(UserTurnSpeculation(text=" ".join([*self._finals, text.strip()])))
+
+    async def _prepare_while_deciding(self) -> None:
+        words = " ".join(self._finals)
+        if words and not (self._prepared and self._match.matches(self._prepared.text, words)):
+            await self._start(UserTurnSpeculation(text=words))
+
+    async def _start(self, speculation: UserTurnSpeculation) -> None:
         await self._withdraw()  # at most one prepared reply at a time
-        speculation = UserTurnSpeculation(text=" ".join([*self._finals, text.strip()]))
         self._prepared = speculation
         self._timeout = self.task_manager.create_task(
             self._expire(speculation), f"{self}::prepared_reply_timeout")
@@ -152,6 +166,9 @@ class _Preparing(_HeardWords):
         if self._prepared is speculation:
             self._prepared = None
             await self.trigger_user_turn_speculation_cancelled()
+
+    async def _withdraw_prepared(self) -> None:
+        await self._withdraw()
 
     async def _withdraw(self) -> None:
         if await self._take():
@@ -182,7 +199,9 @@ class _HoldingUnfinished(_HeardWords):
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, VADUserStartedSpeakingFrame):
-            await self._stop_hold()
+            if self._hold is not None:  # the caller goes on: what was prepared does not stand
+                await self._stop_hold()
+                await self._withdraw_prepared()
             if self._utterance_end:
                 self._utterance_end.warm()
         elif isinstance(frame, EagerTranscriptionFrame) and self._utterance_end:
@@ -196,6 +215,8 @@ class _HoldingUnfinished(_HeardWords):
             return True
         if self._utterance_end is None:
             return False
+        if not self._utterance_end.ready(text):  # the reply need not wait for the score
+            await self._prepare_while_deciding()
         try:  # the score is usually ready; an engine busy for longer must not hold the turn
             return await asyncio.wait_for(self._utterance_end.unfinished(text), SCORE_WAIT_S)
         except TimeoutError:

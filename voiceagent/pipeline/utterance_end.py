@@ -9,15 +9,18 @@ Below `turn.unfinished_logprob` the words sound unfinished and the turn waits it
 
 One forward of the message alone (no system prompt or history), on a cache of the engine's own
 that keeps the template's KV: ~30-40 ms on 2 cores. The score is asked for at the pause
-transcript, during the hangover, so that at the VAD stop it is usually ready. Measured on the
-embedded SmolLM2-135M-Instruct: finished sentences score -1 to -18, fragments ("what is the
-capital", "i would like to") -19 to -27.
+transcript, during the hangover, so that at the VAD stop it is usually ready; when it is not,
+the reply starts on the words as they stand while the score decides. Measured on the embedded
+SmolLM2-135M-Instruct: finished sentences score -1 to -18, fragments ("what is the capital",
+"i would like to") -19 to -27. In a call on 2 cores a score takes 90-120 ms (it shares the worker
+and the cores with the reply and Whisper), which is why the cue is off by default there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections import OrderedDict
 
 from loguru import logger
@@ -58,6 +61,11 @@ class UtteranceEnd:
         while len(self._scores) > _KEEP:
             self._scores.popitem(last=False)[1].cancel()
 
+    def ready(self, text: str) -> bool:
+        """Whether `text`'s score is in (so `unfinished` answers without waiting)."""
+        task = self._scores.get(normalise(text))
+        return task is not None and task.done()
+
     async def unfinished(self, text: str) -> bool:
         words = normalise(text)
         if not words:
@@ -73,7 +81,11 @@ class UtteranceEnd:
 
     async def _score(self, words: str) -> float:
         ids = self.tokenizer.encode(self._prefix + words, add_special_tokens=False)
-        return await self.worker.next_logprob(ids, self._end_token)
+        t0 = time.perf_counter()
+        logprob = await self.worker.next_logprob(ids, self._end_token)
+        ms = (time.perf_counter() - t0) * 1000
+        logger.debug(f"end of utterance: [{words}] scored in {ms:.0f} ms")
+        return logprob
 
     def close(self) -> None:
         for task in self._scores.values():
