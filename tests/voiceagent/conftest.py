@@ -8,9 +8,19 @@ from tests.voiceagent.serving import server_config
 from voiceagent.pipeline.builder import load_shared
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def models(tmp_path_factory):
-    """The embedded models, loaded once per server test module and shared by its servers."""
+    """The embedded models, loaded once for the whole run (13 s a load on 2 cores) and shared by
+    every pipeline and server test whose config differs only in per-call settings (VAD timing,
+    turn-taking, store, limits). A test that breaks them takes `own_models`."""
+    loaded = load_shared(server_config(tmp_path_factory.mktemp("m")), progress=lambda _: None)
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="module")
+def own_models(tmp_path_factory):
+    """The embedded models for one module alone: for tests that kill the engine's worker."""
     loaded = load_shared(server_config(tmp_path_factory.mktemp("m")), progress=lambda _: None)
     yield loaded
     loaded.close()

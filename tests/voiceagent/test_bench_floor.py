@@ -4,7 +4,6 @@ import pytest
 
 from voiceagent.bench.floor import STAGES, measure_floor, render_floor
 from voiceagent.config import load_config
-from voiceagent.pipeline.builder import load_shared
 
 
 @pytest.fixture(scope="module")
@@ -13,12 +12,8 @@ def cfg(tmp_path_factory):
                               "vad.stop_secs=0.3"])
 
 
-async def test_every_stage_is_measured_alone(cfg):
-    shared = load_shared(cfg, progress=lambda _: None)
-    try:
-        floor = await measure_floor(cfg, shared, ["What is the capital of France?"])
-    finally:
-        shared.close()
+async def test_every_stage_is_measured_alone(cfg, models):
+    floor = await measure_floor(cfg, models, ["What is the capital of France?"])
     assert floor["vad_hangover_ms"] == 300
     for key, _name in STAGES:
         assert floor[key] is not None and floor[key] > 0, key

@@ -25,7 +25,6 @@ from tests.voiceagent.server_proc import log_tail, running_server
 from tests.voiceagent.turns import make_turn
 from voiceagent.config import load_config
 from voiceagent.dashboard.store import open_store
-from voiceagent.pipeline.builder import load_shared
 from voiceagent.pipeline.records import CallInfo
 from voiceagent.pipeline.turn_record import ToolCall
 from voiceagent.sim.call import simulate_call
@@ -75,7 +74,7 @@ def _serve_args(tmp, *overrides: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stored_call(tmp_path_factory):
+def stored_call(tmp_path_factory, models):
     """A two-question call through the real pipeline into a fresh store: (tmp dir, call id).
 
     In real time: fed faster, the second question would reach the bot while it still answers the
@@ -84,13 +83,11 @@ def stored_call(tmp_path_factory):
     cfg = load_config(None, _store_overrides(tmp))
     spoken = [x for q in QUESTIONS for x in (speech(q), silence(4.0))]
     audio = np.concatenate([silence(0.5), *spoken])
-    shared = load_shared(cfg, progress=lambda _: None)
     store = open_store(cfg)
     try:
-        result = asyncio.run(simulate_call(cfg, shared, audio, realtime=True, store=store))
+        result = asyncio.run(simulate_call(cfg, models, audio, realtime=True, store=store))
     finally:
         store.close()
-        shared.close()
     assert len(result.turns) == len(QUESTIONS), [t.user_text for t in result.turns]
     _store_tool_call(cfg)
     _store_off_call(cfg)

@@ -8,7 +8,6 @@ import pytest
 from tests.audio.speech import silence, speech
 from voiceagent.cli import main
 from voiceagent.config import load_config
-from voiceagent.pipeline.builder import load_shared
 from voiceagent.sim.call import RATE, simulate_call
 
 BARGE_IN_BOUND_MS = 600  # caller starts talking over the bot -> bot audio stopped
@@ -20,10 +19,10 @@ def cfg(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shared(cfg):
-    models = load_shared(cfg, progress=lambda _: None)
-    yield models
-    models.close()
+def shared(cfg, models):
+    """The session's embedded models: this module's config differs only per call."""
+    assert models.speech.serves(cfg) is None
+    return models
 
 
 def _caller(*parts) -> np.ndarray:

@@ -99,20 +99,21 @@ async def _health(http: httpx.AsyncClient) -> str:
 
 
 async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_llm(
-        tmp_path, models, monkeypatch):
+        tmp_path, own_models, monkeypatch):
     # A locked database refuses a write at once, not after 30 s of waiting for the lock.
     monkeypatch.setattr(SQLiteTurnStore, "busy_timeout_s", 0.05)
     llm_cfg = server_config(tmp_path / "llm", "server.max_api_requests=16")
-    async with serving(llm_cfg, models) as (_llm_app, llm_base):
+    async with serving(llm_cfg, own_models) as (_llm_app, llm_base):
         proxy = Proxy(int(llm_base.rsplit(":", 1)[1]))
         port = await proxy.start()
         remote = RemoteChat(LLMConfig(backend="openai", base_url=f"http://127.0.0.1:{port}/v1",
                                       timeout_s=30), MODEL, "remote",
                             SamplingConfig(max_new_tokens=64, temperature=0.0))
         # The primary is tried on every request, so each fault meets it (no breaker).
-        failover = FailoverChat(remote, models.chat, first_token_timeout_s=3, retry_primary_s=0)
-        shared = SharedModels(llm=models.llm, worker=models.worker, chat=failover,
-                              speech=models.speech)
+        failover = FailoverChat(remote, own_models.chat, first_token_timeout_s=3,
+                                retry_primary_s=0)
+        shared = SharedModels(llm=own_models.llm, worker=own_models.worker, chat=failover,
+                              speech=own_models.speech)
         cfg = server_config(tmp_path / "calls", "llm.backend=openai",
                             f"llm.base_url=http://127.0.0.1:{port}/v1")
         table = []
@@ -126,7 +127,7 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
                 table.append(("none", await _turn(callers, app), await _health(http), ""))
 
                 # 1. the engine's worker dies at its next step
-                engine = models.worker.engine
+                engine = own_models.worker.engine
                 step_many = engine.step_many
 
                 def die(states):
@@ -136,7 +137,7 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
                 engine.step_many = die
                 during = await _turn(callers, app)
                 table.append(("engine worker killed", during, await _health(http),
-                              models.worker.last_death or ""))
+                              own_models.worker.last_death or ""))
 
                 # 2. the store's database refuses writes
                 store = app.state.server.store
@@ -176,7 +177,7 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
     print(f"turns: {len(kept)} recorded, {len(stored)} stored")
     assert all(turn["heard"] == CALLS for _, turn, _, _ in table), table
     assert len(kept) == len(stored) == CALLS * len(table)
-    assert models.worker.restarts_done >= 1 and models.worker.worker_alive
+    assert own_models.worker.restarts_done >= 1 and own_models.worker.worker_alive
     assert "degraded" in table[2][2] and "store" in table[2][2]  # /healthz told the fault ...
     assert table[2][3].startswith("ready")  # ... and its end
     assert "degraded" in table[3][2] and "no first token" in table[3][2]

@@ -11,7 +11,6 @@ import pytest
 
 from tests.voiceagent.test_preparation import _caller
 from voiceagent.config import load_config
-from voiceagent.pipeline.builder import load_shared
 from voiceagent.pipeline.turns import sounds_unfinished
 from voiceagent.pipeline.utterance_end import UtteranceEnd, normalise
 from voiceagent.sim.call import simulate_call
@@ -44,10 +43,10 @@ def cfg(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shared(cfg):
-    models = load_shared(cfg, progress=lambda _: None)
-    yield models
-    models.close()
+def shared(cfg, models):
+    """The session's embedded models: this module's config differs only per call."""
+    assert models.speech.serves(cfg) is None
+    return models
 
 
 def test_a_finished_question_ends_the_turn_without_the_hold(cfg, shared):

@@ -14,7 +14,6 @@ import pytest
 from tests.audio.speech import silence, speech
 from voiceagent.config import load_config, store_path
 from voiceagent.dashboard.store import SQLiteTurnStore, open_store
-from voiceagent.pipeline.builder import load_shared
 from voiceagent.sim.call import RATE, simulate_call
 
 HANGOVER_S = 3.2  # long enough for the pause transcript and the prepared reply's first audio
@@ -44,10 +43,10 @@ def cfg(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shared(cfg):
-    models = load_shared(cfg, progress=lambda _: None)
-    yield models
-    models.close()
+def shared(cfg, models):
+    """The session's embedded models: this module's config differs only per call."""
+    assert models.speech.serves(cfg) is None
+    return models
 
 
 @pytest.fixture(scope="module")
