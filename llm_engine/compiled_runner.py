@@ -29,10 +29,16 @@ def supports(model: torch.nn.Module) -> str | None:
     if not kv.plain_head(model):
         return (f"{type(model).__name__}: the compiled runner needs a decoder and a plain "
                 "output head")
-    layer = StaticCache(config=model.config, max_cache_len=1).layers[0]
-    if not hasattr(layer, "cumulative_length"):  # transformers before 5.x: no length counter
-        return "this transformers' StaticCache keeps no length counter to crop"
+    for layer in StaticCache(config=model.config, max_cache_len=1).layers:
+        if not (_crops(layer) or (hasattr(layer, "cumulative_length")
+                                  and not getattr(layer, "is_sliding", False))):
+            return (f"this transformers' {type(layer).__name__} cannot be cropped (no crop, "
+                    "or a sliding window without one)")
     return None
+
+
+def _crops(layer) -> bool:
+    return callable(getattr(layer, "crop", None))
 
 
 class CompiledRunner(TargetRunner):
@@ -58,11 +64,13 @@ class CompiledRunner(TargetRunner):
         return int(cache.get_seq_length())
 
     def crop(self, cache: StaticCache, length: int) -> None:
-        # Lowering each layer's counter is what StaticLayer.crop does in transformers 5.24+;
-        # 5.17 has the counter but no crop.
         extra = self.length(cache) - length
-        if extra > 0:
-            for layer in cache.layers:
+        if extra <= 0:
+            return
+        for layer in cache.layers:
+            if _crops(layer):  # each layer kind keeps its own counters
+                layer.crop(-extra)
+            else:  # transformers 5.17's StaticLayer: the counter, no crop (supports() checked)
                 layer.cumulative_length.sub_(extra)
 
     @torch.inference_mode()

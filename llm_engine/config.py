@@ -118,7 +118,8 @@ class EngineConfig:
     format_min_agreement: float = 0.95  # teacher-forced top-1 agreement with fp32, 0..1
     # How the target runs: eager (any HF causal LM), compiled (static cache, torch.compile, CUDA
     # graphs on a GPU) or lean (`llm_engine.lean`: the Llama family's forward of our own, for
-    # bfloat16, int8 and q4). auto: lean where it fits, else compiled on CUDA and eager on a CPU.
+    # bfloat16, int8 and q4). auto: lean where it fits, else compiled on CUDA (where
+    # transformers' static cache can be cropped) and eager otherwise.
     runner: Literal["auto", "eager", "compiled", "lean"] = "auto"
     max_context: int = 2048
     prefill_chunk: int = 256  # prompt tokens per engine step: bounds cancel latency and others' ITL

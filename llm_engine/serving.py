@@ -192,10 +192,14 @@ class _Job:
         self.future: asyncio.Future = loop.create_future()
 
     def run(self, engine: SpeculativeEngine) -> None:
+        if self.future.done():  # the caller stopped waiting: spare every call the forward
+            return
         try:
             result = self.fn(engine)
-        except Exception as exc:  # the caller hears it; the worker serves on
+        except BaseException as exc:  # the caller hears it; the worker serves on
             self.fail(exc)
+            if not isinstance(exc, Exception):
+                raise
             return
         self._post(result, None)
 

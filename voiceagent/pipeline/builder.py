@@ -23,6 +23,7 @@ from dataclasses import dataclass
 # pipecat imports this (and the openai SDK, 0.4 s) lazily when the first LLM service is built:
 # on the event loop, during the first call. Import it with the rest instead.
 import pipecat.adapters.llm.services.open_ai_adapter  # noqa: F401
+from loguru import logger
 from pipecat.audio.dtmf.types import KeypadEntry
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams, PipelineWorker
@@ -160,10 +161,17 @@ def _remote(llm: LLMConfig, cfg: Config, progress: Callable[[str], None]) -> Rem
 
 
 def _utterance_end(cfg: Config, shared: SharedModels) -> UtteranceEnd | None:
-    """The language model's turn cue, where the engine runs in this process and it is on."""
-    if shared.worker is None or shared.llm is None or cfg.turn.unfinished_logprob is None:
+    """The language model's turn cue, where it is on and used: the engine in this process, and
+    the VAD's stop with a hold."""
+    turn = cfg.turn
+    if (shared.worker is None or shared.llm is None or turn.unfinished_logprob is None
+            or turn.stop != "vad" or turn.unfinished_hold_s <= 0):
         return None
-    return UtteranceEnd(shared.worker, shared.llm.target.tokenizer, cfg.turn.unfinished_logprob)
+    try:
+        return UtteranceEnd(shared.worker, shared.llm.target.tokenizer, turn.unfinished_logprob)
+    except ValueError as exc:  # a chat template the cue cannot read: the words alone decide
+        logger.warning(f"turn.unfinished_logprob is off for this call: {exc}")
+        return None
 
 
 def build_call(

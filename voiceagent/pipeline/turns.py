@@ -205,38 +205,43 @@ class _HoldingUnfinished(_HeardWords):
             if self._utterance_end:
                 self._utterance_end.warm()
         elif isinstance(frame, EagerTranscriptionFrame) and self._utterance_end:
-            self._utterance_end.prefetch(frame.text)  # scored during the hangover
+            # Scored during the hangover, on the words the turn's end will be decided on.
+            self._utterance_end.prefetch(" ".join([*self._finals, frame.text]))
         if isinstance(frame, TranscriptionFrame) and self._utterance_end:
             self._utterance_end.prefetch(" ".join([*self._finals, frame.text]))
         return await super().process_frame(frame)
+
+    async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
+        text = " ".join(self._finals)
+        if self._hold_s > 0 and self._hold is None and (
+                self._utterance_end is not None or sounds_unfinished(text)):
+            # Decided in a task that is the hold from now on, so that speech resumed while the
+            # score is awaited cancels the decision like the hold itself.
+            if self._utterance_end is not None and not self._utterance_end.ready(text):
+                await self._prepare_while_deciding()  # the reply need not wait for the score
+            self._hold = self.task_manager.create_task(
+                self._held(text, enable_user_speaking_frames), f"{self}::unfinished_hold")
+            return
+        await super().trigger_user_turn_stopped(
+            enable_user_speaking_frames=enable_user_speaking_frames)
+
+    async def _held(self, text: str, enable_user_speaking_frames: bool | None) -> None:
+        if await self._sounds_unfinished(text):
+            logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
+            await asyncio.sleep(self._hold_s)
+        await super().trigger_user_turn_stopped(
+            enable_user_speaking_frames=enable_user_speaking_frames)
 
     async def _sounds_unfinished(self, text: str) -> bool:
         if sounds_unfinished(text):
             return True
         if self._utterance_end is None:
             return False
-        if not self._utterance_end.ready(text):  # the reply need not wait for the score
-            await self._prepare_while_deciding()
         try:  # the score is usually ready; an engine busy for longer must not hold the turn
             return await asyncio.wait_for(self._utterance_end.unfinished(text), SCORE_WAIT_S)
         except TimeoutError:
             logger.debug(f"{self}: no end-of-utterance score within {SCORE_WAIT_S} s")
             return False
-
-    async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
-        if (self._hold_s > 0 and self._hold is None
-                and await self._sounds_unfinished(" ".join(self._finals))):
-            logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
-            self._hold = self.task_manager.create_task(
-                self._held(enable_user_speaking_frames), f"{self}::unfinished_hold")
-            return
-        await super().trigger_user_turn_stopped(
-            enable_user_speaking_frames=enable_user_speaking_frames)
-
-    async def _held(self, enable_user_speaking_frames: bool | None) -> None:
-        await asyncio.sleep(self._hold_s)
-        await super().trigger_user_turn_stopped(
-            enable_user_speaking_frames=enable_user_speaking_frames)
 
     async def handle_user_turn_started(self):
         await self._stop_hold()

@@ -57,7 +57,9 @@ class UtteranceEnd:
         words = normalise(text)
         if not words or words in self._scores:
             return
-        self._scores[words] = asyncio.ensure_future(self._score(words))
+        task = asyncio.ensure_future(self._score(words))
+        task.add_done_callback(_seen)  # a prefetch nobody awaits may fail unheard
+        self._scores[words] = task
         while len(self._scores) > _KEEP:
             self._scores.popitem(last=False)[1].cancel()
 
@@ -75,6 +77,7 @@ class UtteranceEnd:
             logprob = await asyncio.shield(self._scores[words])
         except Exception as exc:  # a cue, not a stage: without it the words alone decide
             logger.warning(f"end-of-utterance score failed: {exc}")
+            self._scores.pop(words, None)  # asked again next time
             return False
         logger.debug(f"end of utterance: log p = {logprob:.1f} after [{words}]")
         return logprob < self.threshold
@@ -91,6 +94,11 @@ class UtteranceEnd:
         for task in self._scores.values():
             task.cancel()
         self._scores.clear()
+
+
+def _seen(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _message_frame(tokenizer) -> tuple[str, int]:
