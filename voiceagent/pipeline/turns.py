@@ -94,7 +94,7 @@ class _HeardWords(BaseUserTurnStopStrategy):
         """The turn may be ending on the words heard so far: start its reply now, where replies
         can be prepared (a strategy without preparation has nothing to start)."""
 
-    async def _withdraw_prepared(self) -> None:
+    async def _withdraw(self) -> None:
         """The caller went on: withdraw a prepared reply, where there is one."""
 
 
@@ -167,9 +167,6 @@ class _Preparing(_HeardWords):
             self._prepared = None
             await self.trigger_user_turn_speculation_cancelled()
 
-    async def _withdraw_prepared(self) -> None:
-        await self._withdraw()
-
     async def _withdraw(self) -> None:
         if await self._take():
             await self.trigger_user_turn_speculation_cancelled()
@@ -201,13 +198,12 @@ class _HoldingUnfinished(_HeardWords):
         if isinstance(frame, VADUserStartedSpeakingFrame):
             if self._hold is not None:  # the caller goes on: what was prepared does not stand
                 await self._stop_hold()
-                await self._withdraw_prepared()
+                await self._withdraw()
             if self._utterance_end:
                 self._utterance_end.warm()
-        elif isinstance(frame, EagerTranscriptionFrame) and self._utterance_end:
+        elif isinstance(frame, (EagerTranscriptionFrame, TranscriptionFrame)) and \
+                self._utterance_end:
             # Scored during the hangover, on the words the turn's end will be decided on.
-            self._utterance_end.prefetch(" ".join([*self._finals, frame.text]))
-        if isinstance(frame, TranscriptionFrame) and self._utterance_end:
             self._utterance_end.prefetch(" ".join([*self._finals, frame.text]))
         return await super().process_frame(frame)
 
