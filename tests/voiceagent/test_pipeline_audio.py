@@ -36,7 +36,7 @@ from audio import asr
 from audio.asr import StreamingTranscriber
 from audio.config import ASRConfig, TTSConfig, VADConfig
 from audio.wav import frames
-from tests.audio.speech import silence, speech
+from tests.audio.speech import misheard, silence, speech
 from voiceagent.models import resolve
 from voiceagent.pipeline.frames import UserSpeechPausedFrame
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
@@ -47,9 +47,6 @@ from voiceagent.pipeline.vad import load_vad_model, make_vad
 
 QUESTION = "What is the capital of France?"
 
-
-def words(text: str) -> set[str]:
-    return {w.strip(".,?!").lower() for w in text.split()}
 
 
 def audio_frames(samples: np.ndarray, rate: int = 16000, every: int = 0, sleep: float = 0.0):
@@ -129,7 +126,7 @@ async def test_stt_pushes_interims_while_speaking_then_the_final(whisper):
     down, _ = await run_test(stt, frames_to_send=send)
     interims, finals, metrics = stt_results(down)
     assert interims, "no interim transcript while speaking"
-    assert len(finals) == 1 and {"capital", "france"} <= words(finals[0].text)
+    assert len(finals) == 1 and misheard(finals[0].text, QUESTION) <= 1
     assert finals[0].finalized and finals[0].user_id == "" and finals[0].timestamp
     assert down.index(interims[-1]) < down.index(finals[0])
     assert len(metrics) == 1 and metrics[0].final_ms > 0
@@ -150,7 +147,7 @@ async def test_stt_final_reuses_an_interim_that_covered_the_speech(whisper):
     ]
     down, _ = await run_test(stt, frames_to_send=send)
     _, finals, metrics = stt_results(down)
-    assert "france" in words(finals[0].text)
+    assert misheard(finals[0].text, QUESTION) <= 1
     assert metrics[0].reused_interim
     print(f"ASR final (waited for the interim in flight, reused it): {metrics[0].final_ms:.0f} ms")
 
@@ -166,7 +163,7 @@ async def test_stt_final_runs_the_model_when_no_interim_covered_the_speech(whisp
     down, _ = await run_test(stt, frames_to_send=send)
     interims, finals, metrics = stt_results(down)
     assert not interims
-    assert {"capital", "france"} <= words(finals[0].text)
+    assert misheard(finals[0].text, QUESTION) <= 1
     assert not metrics[0].reused_interim
     print(f"ASR final without reuse: {metrics[0].final_ms:.0f} ms after VAD stop")
 
@@ -183,7 +180,7 @@ async def test_stt_resamples_8khz_input(whisper):
         stt, frames_to_send=send, pipeline_params=PipelineParams(audio_in_sample_rate=8000)
     )
     _, finals, _ = stt_results(down)
-    assert "france" in words(finals[0].text)
+    assert misheard(finals[0].text, QUESTION) <= 1
 
 
 async def test_stt_forwards_interruptions_and_keeps_listening(whisper):
@@ -199,7 +196,7 @@ async def test_stt_forwards_interruptions_and_keeps_listening(whisper):
     down, _ = await run_test(stt, frames_to_send=send)
     _, finals, _ = stt_results(down)
     assert sum(isinstance(f, InterruptionFrame) for f in down) == 1
-    assert {"capital", "france"} <= words(finals[0].text)
+    assert misheard(finals[0].text, QUESTION) <= 1
 
 
 # TTS
@@ -325,7 +322,7 @@ async def test_an_interim_queued_behind_other_calls_work_gives_way_to_the_final(
     finally:
         worker.close()
     _, finals, metrics = stt_results(down)
-    assert "france" in words(finals[0].text)
+    assert misheard(finals[0].text, QUESTION) <= 1
     assert not metrics[0].reused_interim and ran == []  # the queued interim never ran
 
 
