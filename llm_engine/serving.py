@@ -114,6 +114,22 @@ class DeltaStream:
             raise
 
 
+def _this_round(going: list[RequestHandle]) -> list[RequestHandle]:
+    """The requests to step this round, in arrival order. One not begun waits while an earlier
+    request of its session ends in this round (a one-token prefill of the system prompt or of
+    the caller's words so far): its KV is the session's again at the end of the round, so the
+    new request prefills only what follows instead of its whole prompt beside it."""
+    ending: set[str] = set()
+    ready = []
+    for handle in going:
+        st = handle.state
+        if st.prefilled or st.session_id not in ending:
+            ready.append(handle)
+        if st.session_id is not None and st.sampling.max_new_tokens - len(st.output_ids) <= 1:
+            ending.add(st.session_id)
+    return ready
+
+
 class RequestHandle(DeltaStream):
     """An in-flight engine request: iterate it for text deltas, `cancel()` it, or await
     `result()`."""
@@ -371,7 +387,7 @@ class EngineWorker:
             # Cancelled requests end first, so that their KV is back in their session's cache
             # before a newer request of the same session prefills.
             cancelled = [handle for handle in active if handle.state.cancelled]
-            going = [handle for handle in active if handle not in cancelled]
+            going = _this_round([handle for handle in active if handle not in cancelled])
             for handles in (cancelled, going):
                 results = self.engine.step_many([handle.state for handle in handles])
                 for handle, result in zip(handles, results, strict=True):

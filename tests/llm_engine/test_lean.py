@@ -15,6 +15,7 @@ from llm_engine.lean import linear
 from llm_engine.lean.llama import LeanLlama, fastest_attention_dtype, supports
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.runner import EagerRunner
+from tests.llm_engine.requests import accepted_with_equal_output, plain_and_speculative
 from tests.llm_engine.test_engine import NEW_TOKENS, hf_greedy, random_prompts, run
 
 MAX_ROWS = 6  # K_max + 1 with max_draft_tokens 5
@@ -185,16 +186,9 @@ def test_a_compact_draft_on_the_lean_runner_drafts_and_stays_lossless(target, to
                        probe=False)
     assert draft.bit_identical is None
     runner = invariant(target, fmt)
-    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS)
-    off = SpeculativeEngine(target, tokenizer, EngineConfig(sampling=sampling, max_context=256),
-                            runner=runner)
-    spec = SpeculativeEngine(
-        target, tokenizer, EngineConfig(sampling=sampling, max_context=256, speculation=(
-            SpeculationConfig(method="draft", max_draft_tokens=5, gate=False))),
-        draft_model=draft, runner=runner, cost_model=off.cost_model)
-    accepted = 0
-    for prompt in random_prompts(len(tokenizer), 10, seed=9):
-        got, state = run(spec, prompt)
-        assert got == run(off, prompt)[0]
-        accepted += state.stats.accepted
-    assert accepted > 0  # the target's own layers draft: many are accepted
+    speculation = SpeculationConfig(method="draft", max_draft_tokens=5, gate=False)
+    off, spec = plain_and_speculative(target, tokenizer, runner, speculation, NEW_TOKENS,
+                                      draft_model=draft)
+    prompts = random_prompts(len(tokenizer), 10, seed=9)
+    # the target's own layers draft: many are accepted
+    assert accepted_with_equal_output(spec, off, prompts) > 0

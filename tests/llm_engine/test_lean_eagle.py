@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
-from llm_engine.engine import SpeculativeEngine
+from llm_engine.config import SpeculationConfig
 from llm_engine.lean.eagle import LeanEagleHead
 from llm_engine.lean.runner import LeanRunner
+from tests.llm_engine.requests import accepted_with_equal_output, plain_and_speculative
 from tests.llm_engine.test_eagle import features, head  # noqa: F401 (a fixture)
-from tests.llm_engine.test_engine import NEW_TOKENS, random_prompts, run
+from tests.llm_engine.test_engine import NEW_TOKENS, random_prompts
 
 
 def test_in_float32_the_lean_head_predicts_hfs_features_through_its_cache(target, head):  # noqa: F811
@@ -30,20 +30,12 @@ def test_in_float32_the_lean_head_predicts_hfs_features_through_its_cache(target
 
 def test_eagle_on_the_lean_runner_drafts_and_equals_plain_decoding(target, tokenizer, head):  # noqa: F811
     runner = LeanRunner(target, "q4", max_cache_len=256, max_rows=6)
-    sampling = SamplingConfig(max_new_tokens=NEW_TOKENS)
-    off = SpeculativeEngine(target, tokenizer, EngineConfig(sampling=sampling, max_context=256),
-                            runner=runner)
     lean_head = LeanEagleHead(head, "q4", 256, runner.lean.attention_dtype)
-    spec = SpeculativeEngine(
-        target, tokenizer, EngineConfig(sampling=sampling, max_context=256, speculation=(
-            SpeculationConfig(method="eagle", max_draft_tokens=5, gate=False))),
-        eagle_head=lean_head, runner=runner, cost_model=off.cost_model)
-    accepted = 0
-    for prompt in random_prompts(len(tokenizer), 8, seed=12):
-        got, state = run(spec, prompt)
-        assert got == run(off, prompt)[0]
-        accepted += state.stats.accepted
-    assert accepted > 0
+    speculation = SpeculationConfig(method="eagle", max_draft_tokens=5, gate=False)
+    off, spec = plain_and_speculative(target, tokenizer, runner, speculation, NEW_TOKENS,
+                                      eagle_head=lean_head)
+    prompts = random_prompts(len(tokenizer), 8, seed=12)
+    assert accepted_with_equal_output(spec, off, prompts) > 0
     state = spec.start(random_prompts(len(tokenizer), 1, seed=13)[0])
     for _ in range(5):  # the head's cache never keeps a drafted position
         spec.step(state)

@@ -162,6 +162,24 @@ async def test_a_discarded_request_leaves_its_prefix_kv_to_the_next_one(serving,
     assert stats.prefill_tokens == len(whole) - len(spoken)
 
 
+async def test_a_request_behind_its_sessions_one_token_prefill_waits_for_that_kv(serving,
+                                                                                tokenizer):
+    # A call prefills its system prompt (one token) as it starts, and its first turn's request
+    # can reach the worker in the same round: it takes the session's KV when that prefill ends
+    # in the round, rather than prefilling the whole prompt beside it.
+    busy = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=20),
+                          session_id="other")
+    async for _ in busy:
+        break  # the worker is stepping: the next two wait in its inbox together
+    system = _prompt(tokenizer, "System: be brief and kind.")
+    warm = serving.submit(system, SamplingConfig(max_new_tokens=1), session_id="call")
+    turn = serving.submit(system + _prompt(tokenizer, " User: hello"), session_id="call")
+    assert len((await warm.result()).token_ids) == 1
+    stats = (await turn.result()).stats
+    assert stats.reused_prefix_tokens == len(system)
+    await busy.result()
+
+
 def _breaking(tokenizer, exc: BaseException, go: threading.Event) -> EngineWorker:
     model = make_model(len(tokenizer))
     engine = SpeculativeEngine(model, tokenizer, _config("off"))

@@ -6,6 +6,8 @@ The browser is the system one (`/usr/bin/chromium`); a playwright browser downlo
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -51,3 +53,16 @@ def launch(playwright, mic_wav: Path):
         headless=True,
         args=[*FLAGS, f"--use-file-for-fake-audio-capture={mic_wav}%noloop"],
     )
+
+
+@contextmanager
+def call_page(mic_wav: Path) -> Iterator:
+    """A page in a Chromium `launch`ed with `mic_wav`, closed after."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = launch(playwright, mic_wav)
+        try:
+            yield chromium.new_page()
+        finally:
+            chromium.close()

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 from twilio.request_validator import RequestValidator
 
-from tests.voiceagent.server_proc import REPO, log_tail
+from tests.voiceagent.server_proc import REPO, free_port, log_tail
 from voiceagent.sim.twilio_caller import TwilioCaller
 
 CONF = REPO / "deploy" / "nginx" / "voiceagent.conf"
@@ -31,6 +31,7 @@ START_TIMEOUT_S = 10.0
 PUBLIC_HOST = "voice.test"  # a reserved name (RFC 6761): clients reach it at 127.0.0.1
 TOKEN = "proxy-test-token"
 TWILIO_AUTH = "proxy-test-twilio-auth"
+SERVER_ENV = {"VOICEAGENT_TOKEN": TOKEN, "TWILIO_AUTH_TOKEN": TWILIO_AUTH}
 
 
 @dataclass
@@ -174,3 +175,33 @@ def running_nginx(snippet: str, folder: Path, port: int) -> Iterator[Path]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+class Front:
+    """The shipped nginx in front of two upstreams, on ports chosen now, so that the servers
+    behind it can be told the public URL before it starts."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.ca, self.cert, self.key = make_certs(folder, PUBLIC_HOST)
+        self.tls_port, self.http_port = free_port(), free_port()
+        self.public_url = f"https://{PUBLIC_HOST}:{self.tls_port}"
+
+    @contextmanager
+    def running(self, upstreams: tuple[int, int]) -> Iterator[Proxy]:
+        """nginx up; websockets' default TLS context trusts the test CA meanwhile."""
+        snippet = render(host=PUBLIC_HOST, tls_port=self.tls_port, http_port=self.http_port,
+                         upstreams=upstreams, cert=self.cert, key=self.key)
+        saved = os.environ.get("SSL_CERT_FILE")
+        os.environ["SSL_CERT_FILE"] = str(self.ca)
+        try:
+            with running_nginx(snippet, self.folder / "nginx", self.tls_port):
+                yield Proxy(f"https://127.0.0.1:{self.tls_port}",
+                            f"http://127.0.0.1:{self.http_port}",
+                            f"{PUBLIC_HOST}:{self.tls_port}", self.public_url,
+                            tls_context(self.ca))
+        finally:
+            if saved is None:
+                os.environ.pop("SSL_CERT_FILE", None)
+            else:
+                os.environ["SSL_CERT_FILE"] = saved

@@ -98,7 +98,6 @@ def _page_state(page) -> str:
 
 def test_browser_call_transcribes_answers_and_shows_clocks(server, tmp_path):
     from playwright.sync_api import Error as PlaywrightError
-    from playwright.sync_api import sync_playwright
 
     url, log = server
     wav = _mic_wav(tmp_path / "mic.wav")
@@ -115,57 +114,52 @@ def test_browser_call_transcribes_answers_and_shows_clocks(server, tmp_path):
             + f"\nserver log:\n{log_tail(log)}"
         )
 
-    with sync_playwright() as p:
-        chromium = browser.launch(p, wav)
+    with browser.call_page(wav) as page:
+        page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+        page.add_init_script(browser.RECORD_DATA_CHANNEL)
+        page.goto(f"{url}/")
+        expect(page.text_content("#status") == "idle", "the page did not start idle")
+
+        start = time.monotonic()
+        page.click("#call")
         try:
-            page = chromium.new_page()
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            page.add_init_script(browser.RECORD_DATA_CHANNEL)
-            page.goto(f"{url}/")
-            expect(page.text_content("#status") == "idle", "the page did not start idle")
+            page.wait_for_function(PAGE_DONE, timeout=CALL_TIMEOUT_MS)
+            done = True
+        except PlaywrightError:
+            done = False
+        expect(done, f"no transcript + reply + clocks in {CALL_TIMEOUT_MS // 1000} s")
+        print(f"\nbrowser call: transcript, reply, clocks in {time.monotonic() - start:.1f} s")
 
-            start = time.monotonic()
-            page.click("#call")
-            try:
-                page.wait_for_function(PAGE_DONE, timeout=CALL_TIMEOUT_MS)
-                done = True
-            except PlaywrightError:
-                done = False
-            expect(done, f"no transcript + reply + clocks in {CALL_TIMEOUT_MS // 1000} s")
-            print(f"\nbrowser call: transcript, reply, clocks in {time.monotonic() - start:.1f} s")
+        status = page.text_content("#status")
+        expect(status == "connected", f"status {status!r} during the call")
+        cells = page.locator("#clocks tr.turn").first.locator("td").all_text_contents()
+        expect(len(cells) == 9 and cells[0] == "1", f"turn row {cells}")
+        # Request -> first token, the mean ITL (a reply has several tokens; its p50 may be
+        # 0 under speculation) and turn end -> first audio are measured on every turn.
+        expect(all(_is_number(cells[i]) for i in (1, 2, 4)), f"clocks missing in {cells}")
+        expect(float(cells[2]) > 0, f"a turn's mean ITL shows {cells[2]}")
+        # The turn's speculation figures, as the server's turn message has them.
+        turn = _turn_messages(page)[0]
+        spec = turn["speculation"]
+        expect(cells[5] == spec["method"] and spec["method"], f"method: {cells} {spec}")
+        if spec["accepted_per_step"] is not None:
+            want = f"{spec['accepted_per_step']:.2f}"
+            expect(cells[6] == want, f"accepted/step {cells[6]!r}, message {spec}")
+        if spec["tokens_per_s"] is not None:
+            expect(cells[7] == str(round(spec["tokens_per_s"])), f"tokens/s: {cells} {spec}")
+        expect(_is_number(cells[7]), f"no tokens/s in {cells}: {spec}")
+        expect(cells[8] == "–" if not turn["tool_calls"] else cells[8] != "–",
+               f"tools cell {cells[8]!r}, message {turn['tool_calls']}")
+        # The meter moved with the question, and the page's link leads to the dashboard.
+        peak = float(page.get_attribute("#meter", "data-peak"))
+        expect(peak > METER_SPEECH, f"the meter's peak was {peak} during the question")
+        link = page.get_attribute("#dashboard-link", "href")
+        expect(link == "/dashboard", f"the dashboard link is {link!r}")
+        expect(page.is_hidden("#notice"), f"a notice in a good call: {_notice(page)}")
 
-            status = page.text_content("#status")
-            expect(status == "connected", f"status {status!r} during the call")
-            cells = page.locator("#clocks tr.turn").first.locator("td").all_text_contents()
-            expect(len(cells) == 9 and cells[0] == "1", f"turn row {cells}")
-            # Request -> first token, the mean ITL (a reply has several tokens; its p50 may be
-            # 0 under speculation) and turn end -> first audio are measured on every turn.
-            expect(all(_is_number(cells[i]) for i in (1, 2, 4)), f"clocks missing in {cells}")
-            expect(float(cells[2]) > 0, f"a turn's mean ITL shows {cells[2]}")
-            # The turn's speculation figures, as the server's turn message has them.
-            turn = _turn_messages(page)[0]
-            spec = turn["speculation"]
-            expect(cells[5] == spec["method"] and spec["method"], f"method: {cells} {spec}")
-            if spec["accepted_per_step"] is not None:
-                want = f"{spec['accepted_per_step']:.2f}"
-                expect(cells[6] == want, f"accepted/step {cells[6]!r}, message {spec}")
-            if spec["tokens_per_s"] is not None:
-                expect(cells[7] == str(round(spec["tokens_per_s"])), f"tokens/s: {cells} {spec}")
-            expect(_is_number(cells[7]), f"no tokens/s in {cells}: {spec}")
-            expect(cells[8] == "–" if not turn["tool_calls"] else cells[8] != "–",
-                   f"tools cell {cells[8]!r}, message {turn['tool_calls']}")
-            # The meter moved with the question, and the page's link leads to the dashboard.
-            peak = float(page.get_attribute("#meter", "data-peak"))
-            expect(peak > METER_SPEECH, f"the meter's peak was {peak} during the question")
-            link = page.get_attribute("#dashboard-link", "href")
-            expect(link == "/dashboard", f"the dashboard link is {link!r}")
-            expect(page.is_hidden("#notice"), f"a notice in a good call: {_notice(page)}")
-
-            page.click("#hangup")
-            status = page.text_content("#status")
-            expect(status == "ended", f"status {status!r} after hang-up")
-        finally:
-            chromium.close()
+        page.click("#hangup")
+        status = page.text_content("#status")
+        expect(status == "ended", f"status {status!r} after hang-up")
 
 
 # Test-only tap on what the page sends on its data channel: window.__tx.
@@ -187,41 +181,35 @@ SHOWS_KEYS = """() => [...document.querySelectorAll("#transcript .user:not(.inte
 
 def test_the_keypad_sends_dtmf_over_rtvi_and_the_keys_become_a_user_turn(server, tmp_path):
     from playwright.sync_api import Error as PlaywrightError
-    from playwright.sync_api import sync_playwright
 
     url, log = server
     wav = tmp_path / "quiet.wav"
     write_wav(wav, silence(LEAD_S, MIC_RATE), MIC_RATE)  # no speech: the keys are the turn
 
-    with sync_playwright() as p:
-        chromium = browser.launch(p, wav)
-        try:
-            page = chromium.new_page()
-            page.add_init_script(browser.RECORD_DATA_CHANNEL)
-            page.add_init_script(RECORD_SENT)
-            page.goto(f"{url}/")
-            keys = page.evaluate(KEYPAD)
-            assert [k for k, _, _ in keys] == list("123456789*0#"), keys
-            assert all(label.startswith("key ") for _, label, _ in keys), keys
-            assert all(disabled for _, _, disabled in keys), "keys enabled before a call"
+    with browser.call_page(wav) as page:
+        page.add_init_script(browser.RECORD_DATA_CHANNEL)
+        page.add_init_script(RECORD_SENT)
+        page.goto(f"{url}/")
+        keys = page.evaluate(KEYPAD)
+        assert [k for k, _, _ in keys] == list("123456789*0#"), keys
+        assert all(label.startswith("key ") for _, label, _ in keys), keys
+        assert all(disabled for _, _, disabled in keys), "keys enabled before a call"
 
-            page.click("#call")
-            page.wait_for_function(f"() => !({KEYPAD})()[0][2]", timeout=CALL_TIMEOUT_MS)
-            page.click('#keypad button[data-key="1"]')
-            page.keyboard.press("#")  # the keyboard's keys too; # sends the digits at once
-            sent = page.evaluate(KEYS_SENT)
-            assert [(m["label"], m["data"]) for m in sent] == [
-                ("rtvi-ai", {"buttons": ["1"]}), ("rtvi-ai", {"buttons": ["#"]})], sent
-            try:  # the server's transcript of the keys comes back as the caller's line
-                page.wait_for_function(SHOWS_KEYS, timeout=CALL_TIMEOUT_MS)
-            except PlaywrightError:
-                pytest.fail(f"the keys never came back as a user turn\n{_page_state(page)}"
-                            f"\nserver log:\n{log_tail(log)}")
+        page.click("#call")
+        page.wait_for_function(f"() => !({KEYPAD})()[0][2]", timeout=CALL_TIMEOUT_MS)
+        page.click('#keypad button[data-key="1"]')
+        page.keyboard.press("#")  # the keyboard's keys too; # sends the digits at once
+        sent = page.evaluate(KEYS_SENT)
+        assert [(m["label"], m["data"]) for m in sent] == [
+            ("rtvi-ai", {"buttons": ["1"]}), ("rtvi-ai", {"buttons": ["#"]})], sent
+        try:  # the server's transcript of the keys comes back as the caller's line
+            page.wait_for_function(SHOWS_KEYS, timeout=CALL_TIMEOUT_MS)
+        except PlaywrightError:
+            pytest.fail(f"the keys never came back as a user turn\n{_page_state(page)}"
+                        f"\nserver log:\n{log_tail(log)}")
 
-            page.click("#hangup")
-            assert all(disabled for _, _, disabled in page.evaluate(KEYPAD)), "keys after hang-up"
-        finally:
-            chromium.close()
+        page.click("#hangup")
+        assert all(disabled for _, _, disabled in page.evaluate(KEYPAD)), "keys after hang-up"
 
 
 MIC_STATE = """() => ({
@@ -268,44 +256,37 @@ def test_mute_disables_the_sent_track_so_the_server_hears_nothing(server, tmp_pa
     track is disabled, the meter stays flat, and no speech is reported back. The call uses the
     ICE servers the page gets from /api/ice (here stubbed: the server's are configured in
     `server.ice_servers`)."""
-    from playwright.sync_api import sync_playwright
-
     url, log = server
     wav = _mic_wav(tmp_path / "mic.wav")
-    with sync_playwright() as p:
-        chromium = browser.launch(p, wav)
-        try:
-            page = chromium.new_page()
-            page.add_init_script(browser.RECORD_DATA_CHANNEL)
-            page.add_init_script(RECORD_TRACKS)
-            page.route("**/api/ice", lambda route: route.fulfill(json={"ice_servers": ICE}))
-            page.goto(f"{url}/")
-            page.click("#mute")
-            assert page.get_attribute("#mute", "aria-pressed") == "true"
-            assert page.text_content("#mute") == "Unmute" and page.is_visible("#muted-badge")
+    with browser.call_page(wav) as page:
+        page.add_init_script(browser.RECORD_DATA_CHANNEL)
+        page.add_init_script(RECORD_TRACKS)
+        page.route("**/api/ice", lambda route: route.fulfill(json={"ice_servers": ICE}))
+        page.goto(f"{url}/")
+        page.click("#mute")
+        assert page.get_attribute("#mute", "aria-pressed") == "true"
+        assert page.text_content("#mute") == "Unmute" and page.is_visible("#muted-badge")
 
-            page.click("#call")
-            page.wait_for_function(f"() => !({KEYPAD})()[0][2]", timeout=CALL_TIMEOUT_MS)
-            state = page.evaluate(MIC_STATE)
-            assert state["tracks"] == [{"enabled": False, "state": "live"}], state
-            assert [s["urls"] for s in state["ice"]] == [ICE[0]["urls"]], state
-            # The question plays from 1 s to about 3 s of the mic's file; wait past it.
-            page.wait_for_timeout(1000 * (LEAD_S + 5))
-            spoke = page.evaluate(SPOKE)
-            state = page.evaluate(MIC_STATE)
-            assert not spoke, f"the server heard speech through mute\n{_page_state(page)}"
-            assert state["peak"] == 0, f"the meter moved while muted: {state}"
-            assert page.locator("#transcript .user").count() == 0
-            assert page.text_content("#status") == "connected", log_tail(log)
+        page.click("#call")
+        page.wait_for_function(f"() => !({KEYPAD})()[0][2]", timeout=CALL_TIMEOUT_MS)
+        state = page.evaluate(MIC_STATE)
+        assert state["tracks"] == [{"enabled": False, "state": "live"}], state
+        assert [s["urls"] for s in state["ice"]] == [ICE[0]["urls"]], state
+        # The question plays from 1 s to about 3 s of the mic's file; wait past it.
+        page.wait_for_timeout(1000 * (LEAD_S + 5))
+        spoke = page.evaluate(SPOKE)
+        state = page.evaluate(MIC_STATE)
+        assert not spoke, f"the server heard speech through mute\n{_page_state(page)}"
+        assert state["peak"] == 0, f"the meter moved while muted: {state}"
+        assert page.locator("#transcript .user").count() == 0
+        assert page.text_content("#status") == "connected", log_tail(log)
 
-            page.click("#mute")
-            state = page.evaluate(MIC_STATE)
-            assert state["tracks"] == [{"enabled": True, "state": "live"}], state
-            assert state["pressed"] == "false" and page.is_hidden("#muted-badge")
-            page.click("#hangup")
-            assert page.evaluate(MIC_STATE)["tracks"][0]["state"] == "ended"
-        finally:
-            chromium.close()
+        page.click("#mute")
+        state = page.evaluate(MIC_STATE)
+        assert state["tracks"] == [{"enabled": True, "state": "live"}], state
+        assert state["pressed"] == "false" and page.is_hidden("#muted-badge")
+        page.click("#hangup")
+        assert page.evaluate(MIC_STATE)["tracks"][0]["state"] == "ended"
 
 
 NO_MIC_PERMISSION = """
@@ -340,36 +321,29 @@ def _refuse_offer(status: int, detail: str, headers: dict | None = None):
 ])
 def test_a_failed_call_says_why_and_the_fix_on_the_page(server, tmp_path, case, script, offer,
                                                         what, fix, status):
-    from playwright.sync_api import sync_playwright
-
     url, _ = server
     wav = tmp_path / "quiet.wav"
     write_wav(wav, silence(LEAD_S, MIC_RATE), MIC_RATE)
-    with sync_playwright() as p:
-        chromium = browser.launch(p, wav)
-        try:
-            page = chromium.new_page()
-            page.add_init_script(RECORD_TRACKS)
-            if script:
-                page.add_init_script(script)
-            if offer:
-                page.route("**/api/offer", _refuse_offer(*offer))
-            page.goto(f"{url}/")
-            assert page.is_hidden("#notice")
-            page.click("#call")
-            page.wait_for_selector("#notice", state="visible", timeout=CALL_TIMEOUT_MS)
-            shown = _notice(page)
-            shot = tmp_path / f"notice-{case}.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shown["what"].startswith(what), (shown, shot)
-            assert shown["fix"].startswith("Fix: ") and fix in shown["fix"], (shown, shot)
-            assert shown["kind"] == "error" and shown["status"].startswith(status), shown
-            assert not page.is_disabled("#call") and page.is_disabled("#hangup")
-            # Nothing is left open: a microphone opened for a refused call is stopped.
-            tracks = page.evaluate(MIC_STATE)["tracks"]
-            assert all(t["state"] == "ended" for t in tracks), tracks
-        finally:
-            chromium.close()
+    with browser.call_page(wav) as page:
+        page.add_init_script(RECORD_TRACKS)
+        if script:
+            page.add_init_script(script)
+        if offer:
+            page.route("**/api/offer", _refuse_offer(*offer))
+        page.goto(f"{url}/")
+        assert page.is_hidden("#notice")
+        page.click("#call")
+        page.wait_for_selector("#notice", state="visible", timeout=CALL_TIMEOUT_MS)
+        shown = _notice(page)
+        shot = tmp_path / f"notice-{case}.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shown["what"].startswith(what), (shown, shot)
+        assert shown["fix"].startswith("Fix: ") and fix in shown["fix"], (shown, shot)
+        assert shown["kind"] == "error" and shown["status"].startswith(status), shown
+        assert not page.is_disabled("#call") and page.is_disabled("#hangup")
+        # Nothing is left open: a microphone opened for a refused call is stopped.
+        tracks = page.evaluate(MIC_STATE)["tracks"]
+        assert all(t["state"] == "ended" for t in tracks), tracks
 
 
 def _is_number(text: str) -> bool:

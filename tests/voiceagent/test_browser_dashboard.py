@@ -178,6 +178,17 @@ class Dashboard:
         pytest.fail(f"{why}\nscreenshot: {shot}\nconsole:\n" + "\n".join(self.console[-20:])
                     + f"\nserver log:\n{log_tail(self.log)}")
 
+    def open_week(self) -> None:
+        """The dashboard, its window set to the last 7 days."""
+        self.page.goto(f"{self.url}/dashboard")
+        self.page.select_option("#window", "604800")
+
+    def listed(self, call_id: str) -> str:
+        """The calls table's row for `call_id`, once it shows, as a selector."""
+        row = f'#calls tr[data-call-id="{call_id}"]'
+        self.wait(f"() => document.querySelector('{row}') !== null", f"{call_id} is not listed")
+        return row
+
     def wait(self, js: str, why: str, arg=None) -> None:
         from playwright.sync_api import Error as PlaywrightError
 
@@ -288,8 +299,7 @@ def test_the_speed_up_shows_the_turns_it_is_over(chromium, server, tmp_path):
     own and off's sample sizes beside it, and the cards say how many turns they are over."""
     url, log = server
     d = Dashboard(chromium, url, log, tmp_path / "dashboard-samples.png")
-    d.page.goto(f"{url}/dashboard")
-    d.page.select_option("#window", "604800")
+    d.open_week()
     d.wait("""() => document.querySelector('#by-method tr[data-method="off"]') !== null""",
            "no speculation-off row in the last 7 days")
     by_method = d.api("/api/overview", **d.params())["by_method"]
@@ -327,8 +337,7 @@ def test_filters_by_method_and_config_hash_narrow_the_page(chromium, server, sto
     _, call_id = stored_call
     url, log = server
     d = Dashboard(chromium, url, log, tmp_path / "dashboard-filters.png")
-    d.page.goto(f"{url}/dashboard")
-    d.page.select_option("#window", "604800")
+    d.open_week()
     real_config = d.api(f"/api/calls/{call_id}")["call"]["config_hash"]
     d.wait(f"""() => document.querySelector('#filter-config option[value="{OFF_CONFIG}"]')
                      && document.querySelector('#filter-method option[value="off"]')""",
@@ -453,10 +462,8 @@ def test_a_turn_with_tool_calls_shows_them_on_the_waterfall_and_in_its_row(chrom
                                                                           tmp_path):
     url, log = server
     d = Dashboard(chromium, url, log, tmp_path / "dashboard-tools.png")
-    d.page.goto(f"{url}/dashboard")
-    d.page.select_option("#window", "604800")  # last 7 d
-    row = f'#calls tr[data-call-id="{TOOL_CALL_ID}"]'
-    d.wait(f"() => document.querySelector('{row}') !== null", "the tool call is not listed")
+    d.open_week()
+    row = d.listed(TOOL_CALL_ID)
     d.page.click(row)
     _wait_for_waterfall(d, 2)
     tools = d.page.evaluate("""() => document.getElementById("chart-waterfall").data
@@ -528,10 +535,8 @@ def test_k_chart_has_a_legend_naming_each_turn_under_its_method_and_titled_axes(
 def test_a_twilio_call_shows_its_call_sid_and_each_turns_speculation(chromium, server, tmp_path):
     url, log = server
     d = Dashboard(chromium, url, log, tmp_path / "dashboard-twilio.png")
-    d.page.goto(f"{url}/dashboard")
-    d.page.select_option("#window", "604800")  # last 7 d
-    row = f'#calls tr[data-call-id="{TWILIO_CALL_ID}"]'
-    d.wait(f"() => document.querySelector('{row}') !== null", "the Twilio call is not listed")
+    d.open_week()
+    row = d.listed(TWILIO_CALL_ID)
     listed = d.page.text_content(f"{row} td.call-sid").strip()
     d.expect(listed == CALL_SID, f"the calls list shows CallSid {listed!r}")
     others = d.page.eval_on_selector_all(

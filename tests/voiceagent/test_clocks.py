@@ -100,10 +100,16 @@ async def answered_turn(obs, t0=0):
     await push(obs, TTSTextFrame("It", text_type="word"), t0 + 1920, src=OUT)
 
 
-async def test_answered_turn_has_the_three_clocks_and_breakdown():
+async def observing(start) -> tuple[ClocksObserver, list]:
+    """An observer of call-1 with `start(obs)` pushed, and the list its records go to."""
     records = []
     obs = ClocksObserver("call-1", records.append)
-    await answered_turn(obs)
+    await start(obs)
+    return obs, records
+
+
+async def test_answered_turn_has_the_three_clocks_and_breakdown():
+    obs, records = await observing(answered_turn)
     await push(obs, engine_metrics(), 2000)
     await push(obs, BotStoppedSpeakingFrame(), 2500, src=OUT)
     [r] = records
@@ -117,9 +123,7 @@ async def test_answered_turn_has_the_three_clocks_and_breakdown():
 
 
 async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await answered_turn(obs)
+    obs, records = await observing(answered_turn)
     # the caller talks over the bot from 2000; the VAD confirms it 100 ms later
     await talked_over(obs, vad_ms=2100, start_secs=0.1, interruption_ms=2120, dropped_ms=2140,
                       silent_ms=2150)
@@ -130,9 +134,7 @@ async def test_barge_in_marks_the_turn_interrupted_and_times_the_silence():
 
 
 async def test_barge_in_is_timed_from_the_first_voiced_frame_in_detection_and_stopping():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await answered_turn(obs)
+    obs, records = await observing(answered_turn)
     # The caller's first voiced frame arrived at 2000; the VAD confirmed speech at 2450 (its
     # smoothed volume and start_secs), the interruption followed at 2470, silence at 2500.
     await talked_over(obs, onset_ms=2000, vad_ms=2450, interruption_ms=2470, dropped_ms=2490,
@@ -145,9 +147,7 @@ async def test_barge_in_is_timed_from_the_first_voiced_frame_in_detection_and_st
 async def test_a_barge_in_ends_when_the_transport_drops_the_audio_if_that_comes_later():
     """On Twilio the bot is silent when the `clear` goes out, which the transport sends when the
     interruption reaches it; a BotStoppedSpeakingFrame can come before it."""
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await answered_turn(obs)
+    obs, records = await observing(answered_turn)
     await push(obs, UserSpeechOnsetFrame(onset_ns=2000 * MS), 2450)
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.2), 2450)
     await push(obs, InterruptionFrame(), 2470)
@@ -168,9 +168,7 @@ def test_heard_part_keeps_the_words_whose_end_was_played():
 
 
 async def test_an_interrupted_turn_keeps_the_words_its_played_audio_carried():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await answered_turn(obs)  # "It" played to its end
+    obs, records = await observing(answered_turn)  # "It" played to its end
     second = TTSAudioRawFrame(b"\0\0" * 16000, 16000, 1)  # a 1 s clause
     await push(obs, second, 2000, src=TTS)
     await push(obs, TTSTextFrame("The time is 12:12:12.", text_type="sentence"), 2001, src=TTS)
@@ -188,15 +186,11 @@ async def test_a_reply_after_a_withdrawn_one_has_its_tts_stages_before_its_start
     records = []
     obs = ClocksObserver("c1", records.append)
     await push(obs, VADUserStartedSpeakingFrame(), 0)
-    await push(obs, _prepared_context("what is the"), 900, dst=LLM)
-    await push(obs, PreparedResponseStartFrame(), 901, src=LLM)
-    await push(obs, LLMTextFrame("The"), 1000, src=LLM)
+    await prepared_reply(obs, "what is the", 900, "The", 1000)
     await push(obs, TTSStartedFrame(context_id="old"), 1010, src=TTS)
     await push(obs, EagerEndOfTurnCancelFrame(), 1100)
     await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1, context_id="old"), 1101, src=TTS)
-    await push(obs, _prepared_context("what is the time"), 2000, dst=LLM)
-    await push(obs, PreparedResponseStartFrame(), 2001, src=LLM)
-    await push(obs, LLMTextFrame("It is"), 2100, src=LLM)
+    await prepared_reply(obs, "what is the time", 2000, "It is", 2100)
     await push(obs, TTSStartedFrame(context_id="new"), 2150, src=TTS)
     await push(obs, TTSAudioRawFrame(b"\0\0" * 160, 16000, 1, context_id="new"), 2250, src=TTS)
     await push(obs, PreparedResponseStartFrame(), 2251, src=TTS)
@@ -209,9 +203,7 @@ async def test_a_reply_after_a_withdrawn_one_has_its_tts_stages_before_its_start
 async def test_a_barge_in_decided_after_its_speech_ended_is_timed_from_that_speech():
     """With `turn.min_interrupt_s` the interruption may come after the VAD stop of the speech
     that earned it; a backchannel before it does not start the clock."""
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await answered_turn(obs)
+    obs, records = await observing(answered_turn)
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 2100)  # "mm-hmm" from 2000
     await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 2800)
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 4100)  # "stop" from 4000
@@ -225,9 +217,7 @@ async def test_a_barge_in_decided_after_its_speech_ended_is_timed_from_that_spee
 
 
 async def test_an_interruption_after_the_reply_ended_is_not_a_barge_in():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await answered_turn(obs)
+    obs, records = await observing(answered_turn)
     await push(obs, engine_metrics(), 2000)
     await push(obs, BotStoppedSpeakingFrame(), 2500, src=OUT)
     await push(obs, VADUserStartedSpeakingFrame(), 4000)
@@ -249,9 +239,12 @@ def test_percentiles_of_nothing_are_none():
     assert Percentiles.of([1.0, 3.0]).p50 == 2.0
 
 
-def _prepared_context(text: str) -> LLMContextFrame:
-    return LLMContextFrame(LLMContext(messages=[{"role": "user", "content": text}]),
-                           speculation=True)
+async def prepared_reply(obs, words: str, at_ms: int, first: str, first_ms: int) -> None:
+    """A reply prepared on `words` at `at_ms`: its context, its start, its `first` text."""
+    context = LLMContext(messages=[{"role": "user", "content": words}])
+    await push(obs, LLMContextFrame(context, speculation=True), at_ms, dst=LLM)
+    await push(obs, PreparedResponseStartFrame(), at_ms + 1, src=LLM)
+    await push(obs, LLMTextFrame(first), first_ms, src=LLM)
 
 
 def _prepared_metrics(tokens: int, discarded: bool) -> MetricsFrame:
@@ -279,18 +272,14 @@ async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste()
     obs = ClocksObserver("c1", turns.append)
     await push(obs, VADUserStartedSpeakingFrame(), 0)
     # The caller pauses: a reply is prepared, then withdrawn when they go on.
-    await push(obs, _prepared_context("what is the"), 900, dst=LLM)
-    await push(obs, PreparedResponseStartFrame(), 901, src=LLM)
-    await push(obs, LLMTextFrame("The"), 1000, src=LLM)
+    await prepared_reply(obs, "what is the", 900, "The", 1000)
     await push(obs, EagerEndOfTurnCancelFrame(), 1100)
     await push(obs, LLMTextFrame(" stale"), 1101, src=LLM)  # pushed before the LLM saw it
     await push(obs, _prepared_metrics(3, discarded=True), 1110)
     await push(obs, MetricsFrame(data=[HeldAudioMetricsData(processor="gate",
                                                             discarded_audio_ms=250.0)]), 1111)
     # The sentence ends: a second preparation, confirmed by the turn end.
-    await push(obs, _prepared_context("what is the time"), 2000, dst=LLM)
-    await push(obs, PreparedResponseStartFrame(), 2001, src=LLM)
-    await push(obs, LLMTextFrame("It is"), 2100, src=LLM)
+    await prepared_reply(obs, "what is the time", 2000, "It is", 2100)
     await confirmed_and_played(obs)
     [turn] = turns
     prep = turn.preparation
@@ -363,9 +352,7 @@ async def the_reply(obs, request_ms=2110):
 
 
 async def test_a_tool_turn_is_one_turn_with_its_tool_call_and_clocks_across_it():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await tool_turn_until_the_tool(obs)
+    obs, records = await observing(tool_turn_until_the_tool)
     await tool_call(obs, 1600, {"order_id": "A17", "status": "shipped"})
     # A filler while the tool runs: heard, but it is not the reply.
     await push(obs, TTSStartedFrame(), 1700, src=TTS)
@@ -391,9 +378,7 @@ async def test_a_tool_turn_is_one_turn_with_its_tool_call_and_clocks_across_it()
 
 
 async def test_a_failed_tool_is_recorded_not_ok_and_turns_stay_apart():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await tool_turn_until_the_tool(obs)
+    obs, records = await observing(tool_turn_until_the_tool)
     await tool_call(obs, 1600, {"error": "lookup_order took longer than 5 s"})
     await the_reply(obs)
     await answered_turn(obs, t0=5000)  # the next question: a turn of its own, no tools
@@ -407,9 +392,7 @@ async def test_a_failed_tool_is_recorded_not_ok_and_turns_stay_apart():
 
 
 async def test_the_reply_to_a_tool_stays_on_its_turn_when_the_caller_speaks_meanwhile():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await tool_turn_until_the_tool(obs)
+    obs, records = await observing(tool_turn_until_the_tool)
     await tool_call(obs, 1600, {"status": "shipped"})
     await push(obs, VADUserStartedSpeakingFrame(), 2050)  # "hm?", no interruption
     await the_reply(obs)
@@ -418,9 +401,7 @@ async def test_the_reply_to_a_tool_stays_on_its_turn_when_the_caller_speaks_mean
 
 
 async def test_a_tool_result_spoken_from_its_template_ends_the_turn_when_played():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await tool_turn_until_the_tool(obs)
+    obs, records = await observing(tool_turn_until_the_tool)
     await tool_call(obs, 1600, None)
     # The tool's `say` template: the result goes to the context without a request; its text
     # is the reply.
@@ -438,9 +419,7 @@ async def test_a_tool_result_spoken_from_its_template_ends_the_turn_when_played(
 
 
 async def test_a_tool_result_nobody_answers_leaves_the_next_question_its_own_turn():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await tool_turn_until_the_tool(obs)
+    obs, records = await observing(tool_turn_until_the_tool)
     await tool_call(obs, 1600, None)
     await broadcast(obs, FunctionCallResultFrame, 2100, function_name="lookup_order",
                     tool_call_id="t1", arguments=ORDER, result={"done": True}, run_llm=False)
@@ -454,9 +433,7 @@ async def test_a_tool_result_nobody_answers_leaves_the_next_question_its_own_tur
 
 
 async def test_a_barge_in_during_a_tool_call_ends_the_turn_with_the_call_cancelled():
-    records = []
-    obs = ClocksObserver("call-1", records.append)
-    await tool_turn_until_the_tool(obs)
+    obs, records = await observing(tool_turn_until_the_tool)
     await tool_call(obs, 1600, None)
     await push(obs, VADUserStartedSpeakingFrame(start_secs=0.1), 1900)
     await push(obs, InterruptionFrame(), 1910)

@@ -25,13 +25,11 @@ from tests.audio.speech import speech
 from tests.voiceagent.nginx_proc import (
     NGINX,
     PUBLIC_HOST,
+    SERVER_ENV,
     TOKEN,
     TWILIO_AUTH,
+    Front,
     Proxy,
-    make_certs,
-    render,
-    running_nginx,
-    tls_context,
 )
 from tests.voiceagent.server_proc import free_port, running_server
 from voiceagent.sim.twilio_caller import TwilioCaller
@@ -48,19 +46,11 @@ LIVE_TIMEOUT_S = 5  # a stream's first bytes or an event, when nothing holds the
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory) -> Iterator[Proxy]:
     folder = tmp_path_factory.mktemp("proxy")
-    ca, cert, key = make_certs(folder, PUBLIC_HOST)
-    tls_port, http_port, down = free_port(), free_port(), free_port()
-    public_url = f"https://{PUBLIC_HOST}:{tls_port}"
+    front = Front(folder)
     with running_server("--set", f"paths.runs_dir={folder}/runs",
-                        "--set", f"server.public_url={public_url}",
-                        env={"VOICEAGENT_TOKEN": TOKEN, "TWILIO_AUTH_TOKEN": TWILIO_AUTH}) as base:
-        snippet = render(host=PUBLIC_HOST, tls_port=tls_port, http_port=http_port,
-                         upstreams=(urlsplit(base).port, down), cert=cert, key=key)
-        with running_nginx(snippet, folder / "nginx", tls_port), \
-                pytest.MonkeyPatch.context() as env:
-            env.setenv("SSL_CERT_FILE", str(ca))  # websockets' default TLS context: the test CA
-            yield Proxy(f"https://127.0.0.1:{tls_port}", f"http://127.0.0.1:{http_port}",
-                        f"{PUBLIC_HOST}:{tls_port}", public_url, tls_context(ca))
+                        "--set", f"server.public_url={front.public_url}", env=SERVER_ENV) as base, \
+            front.running((urlsplit(base).port, free_port())) as proxy:
+        yield proxy
 
 
 async def test_healthz_answers_over_tls_through_the_proxy(proxy):
@@ -202,16 +192,8 @@ def _stubs() -> Iterator[tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def routing(tmp_path_factory) -> Iterator[Proxy]:
-    folder = tmp_path_factory.mktemp("routing")
-    ca, cert, key = make_certs(folder, PUBLIC_HOST)
-    tls_port, http_port = free_port(), free_port()
-    with _stubs() as ports:
-        snippet = render(host=PUBLIC_HOST, tls_port=tls_port, http_port=http_port,
-                         upstreams=ports, cert=cert, key=key)
-        with running_nginx(snippet, folder / "nginx", tls_port):
-            yield Proxy(f"https://127.0.0.1:{tls_port}", f"http://127.0.0.1:{http_port}",
-                        f"{PUBLIC_HOST}:{tls_port}", f"https://{PUBLIC_HOST}:{tls_port}",
-                        tls_context(ca))
+    with _stubs() as ports, Front(tmp_path_factory.mktemp("routing")).running(ports) as proxy:
+        yield proxy
 
 
 def _from(proxy: Proxy, address: str) -> httpx.Client:

@@ -14,18 +14,8 @@ import httpx
 import pytest
 
 from tests.audio.speech import speech
-from tests.voiceagent.nginx_proc import (
-    NGINX,
-    PUBLIC_HOST,
-    TOKEN,
-    TWILIO_AUTH,
-    Proxy,
-    make_certs,
-    render,
-    running_nginx,
-    tls_context,
-)
-from tests.voiceagent.server_proc import free_port, running_server
+from tests.voiceagent.nginx_proc import NGINX, SERVER_ENV, TOKEN, Front, Proxy
+from tests.voiceagent.server_proc import running_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,21 +37,15 @@ async def _answered(caller, audio) -> bool:
 
 
 async def test_draining_one_process_behind_nginx_cuts_no_call(tmp_path):
-    ca, cert, key = make_certs(tmp_path, PUBLIC_HOST)
-    tls_port, http_port = free_port(), free_port()
-    public_url = f"https://{PUBLIC_HOST}:{tls_port}"
-    env = {"VOICEAGENT_TOKEN": TOKEN, "TWILIO_AUTH_TOKEN": TWILIO_AUTH}
-    settings = ("--set", f"server.public_url={public_url}")
-    with running_server("--set", f"paths.runs_dir={tmp_path}/a", *settings, env=env) as a, \
-            running_server("--set", f"paths.runs_dir={tmp_path}/b", *settings, env=env) as b:
-        snippet = render(host=PUBLIC_HOST, tls_port=tls_port, http_port=http_port,
-                         upstreams=(urlsplit(a).port, urlsplit(b).port), cert=cert, key=key)
-        with running_nginx(snippet, tmp_path / "nginx", tls_port), \
-                pytest.MonkeyPatch.context() as patch:
-            patch.setenv("SSL_CERT_FILE", str(ca))  # websockets' default TLS context
-            proxy = Proxy(f"https://127.0.0.1:{tls_port}", f"http://127.0.0.1:{http_port}",
-                          f"{PUBLIC_HOST}:{tls_port}", public_url, tls_context(ca))
-            await _drain_with_calls(proxy, a, b)
+    front = Front(tmp_path)
+
+    def server(name: str):
+        return running_server("--set", f"paths.runs_dir={tmp_path}/{name}",
+                              "--set", f"server.public_url={front.public_url}", env=SERVER_ENV)
+
+    with server("a") as a, server("b") as b, \
+            front.running((urlsplit(a).port, urlsplit(b).port)) as proxy:
+        await _drain_with_calls(proxy, a, b)
 
 
 async def _drain_with_calls(proxy: Proxy, a: str, b: str) -> None:

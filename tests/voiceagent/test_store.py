@@ -214,24 +214,30 @@ def test_stores_opened_at_once_on_a_version_1_store_all_open(backend):
     """The first migrates; the others wait for it, then find the schema current (two adding
     the column would fail the second)."""
     backend.run(SCHEMA_V1)
-    at_once = threading.Barrier(6)
+    opened, failed = opened_at_once(lambda _n: backend.open(), 6)
+    assert not failed and opened == 6
+
+
+def opened_at_once(open_store, n: int) -> tuple[int, list[Exception]]:
+    """`open_store(i)` on `n` threads released together: how many opened, and the errors."""
+    at_once = threading.Barrier(n)
     opened, failed = [], []
 
-    def open_one(n: int) -> None:
+    def open_one(i: int) -> None:
         at_once.wait()
         try:
-            opened.append(backend.open())
+            opened.append(open_store(i))
         except Exception as exc:
             failed.append(exc)
 
-    threads = [threading.Thread(target=open_one, args=(n,)) for n in range(6)]
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     for store in opened:
         store.close()
-    assert not failed and len(opened) == 6
+    return len(opened), failed
 
 
 def test_the_server_keeps_only_its_recent_calls_in_memory():

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import httpx
@@ -19,6 +18,7 @@ import pytest
 from tests.voiceagent import server_proc
 from tests.voiceagent.server_proc import free_port, running_server
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
+from tests.voiceagent.test_store import opened_at_once
 from tests.voiceagent.tiny_shared import tiny_shared
 from tests.voiceagent.turns import make_turn
 from voiceagent.cli import main
@@ -145,24 +145,9 @@ async def test_an_outage_loses_no_turn_and_healthz_is_degraded_until_the_server_
 
 def test_stores_opened_at_once_on_a_new_database_all_open(tmp_path, postgres_url):
     """Concurrent CREATE TABLE IF NOT EXISTS can fail without the schema lock."""
-    at_once = threading.Barrier(8)
-    opened, failed = [], []
-
-    def open_one(n: int) -> None:
-        at_once.wait()
-        try:
-            opened.append(PostgresTurnStore(postgres_url, tmp_path / f"p{n}"))
-        except Exception as exc:
-            failed.append(exc)
-
-    threads = [threading.Thread(target=open_one, args=(n,)) for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for store in opened:
-        store.close()
-    assert not failed and len(opened) == 8
+    opened, failed = opened_at_once(
+        lambda n: PostgresTurnStore(postgres_url, tmp_path / f"p{n}"), 8)
+    assert not failed and opened == 8
 
 
 def test_two_processes_writing_at_once_lose_nothing(tmp_path, postgres_url):

@@ -174,12 +174,21 @@ async def test_a_tool_call_is_never_spoken(make_serving, tokenizer):
     assert "<tool" not in spoken and "order_id" not in spoken
 
 
+ORDER, PEEK = "Where is my order 48213?", "Peek at 48213 please"
+
+
+async def _prepared_then(serving, tokenizer, said: str, then: Frame):
+    """A reply prepared on `said`, then `then` (the turn confirmed, or withdrawn)."""
+    context = LLMContext()
+    probe = await _run(serving, tokenizer, context, [
+        _user(context, said, speculation=True), SleepFrame(sleep=2), then, SleepFrame(sleep=2)])
+    return probe, context
+
+
 async def test_a_prepared_reply_runs_its_tool_only_once_the_turn_is_confirmed(
         make_serving, tokenizer):
-    serving, context = make_serving(), LLMContext()
-    probe = await _run(serving, tokenizer, context, [
-        _user(context, "Where is my order 48213?", speculation=True), SleepFrame(sleep=2),
-        UserStoppedSpeakingFrame(), SleepFrame(sleep=2)])
+    serving = make_serving()
+    probe, context = await _prepared_then(serving, tokenizer, ORDER, UserStoppedSpeakingFrame())
 
     _warmup, prepared, *_ = serving.handles
     assert (await prepared.result()).tool_calls, "the prepared reply decided on a call"
@@ -188,10 +197,8 @@ async def test_a_prepared_reply_runs_its_tool_only_once_the_turn_is_confirmed(
 
 
 async def test_a_withdrawn_prepared_reply_never_runs_its_tool(make_serving, tokenizer):
-    serving, context = make_serving(), LLMContext()
-    probe = await _run(serving, tokenizer, context, [
-        _user(context, "Where is my order 48213?", speculation=True), SleepFrame(sleep=2),
-        EagerEndOfTurnCancelFrame(), SleepFrame(sleep=1)])
+    serving = make_serving()
+    probe, context = await _prepared_then(serving, tokenizer, ORDER, EagerEndOfTurnCancelFrame())
 
     _warmup, prepared = serving.handles
     assert (await prepared.result()).tool_calls, "the withdrawn reply had decided on a call"
@@ -200,10 +207,8 @@ async def test_a_withdrawn_prepared_reply_never_runs_its_tool(make_serving, toke
 
 async def test_a_read_only_tool_runs_on_the_prepared_reply_before_the_turn_is_confirmed(
         make_serving, tokenizer):
-    serving, context = make_serving(), LLMContext()
-    probe = await _run(serving, tokenizer, context, [
-        _user(context, "Peek at 48213 please", speculation=True), SleepFrame(sleep=2),
-        UserStoppedSpeakingFrame(), SleepFrame(sleep=2)])
+    serving = make_serving()
+    probe, context = await _prepared_then(serving, tokenizer, PEEK, UserStoppedSpeakingFrame())
 
     assert [name for name, _ in probe.runs_at_commit] == ["peek_order"], "ran before commit"
     assert [name for name, _ in RUNS] == ["peek_order"], "and not again at commit"
@@ -212,10 +217,8 @@ async def test_a_read_only_tool_runs_on_the_prepared_reply_before_the_turn_is_co
 
 
 async def test_a_withdrawn_prepared_reply_drops_its_read_only_result(make_serving, tokenizer):
-    serving, context = make_serving(), LLMContext()
-    probe = await _run(serving, tokenizer, context, [
-        _user(context, "Peek at 48213 please", speculation=True), SleepFrame(sleep=2),
-        EagerEndOfTurnCancelFrame(), SleepFrame(sleep=1)])
+    serving = make_serving()
+    probe, context = await _prepared_then(serving, tokenizer, PEEK, EagerEndOfTurnCancelFrame())
 
     assert [name for name, _ in RUNS] == ["peek_order"], "it ran while the turn was open"
     assert not _of(probe.frames, FunctionCallResultFrame), "its result never reached the call"
