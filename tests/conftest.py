@@ -1,6 +1,7 @@
 """Tests run offline: no hub access, ever."""
 
 import os
+from collections import Counter
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -8,6 +9,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+    """Every test has its own node id: pytest-xdist's per-module scheduling (the README's test
+    command) keys tests by it, and of several that share one it would run one."""
+    counts = Counter(item.nodeid for item in items)
+    shared = sorted(nodeid for nodeid, n in counts.items() if n > 1)
+    if shared:
+        raise pytest.UsageError(f"tests that share a node id: {shared}")
 
 
 @pytest.fixture(autouse=True)

@@ -149,7 +149,8 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", help="comma-separated (default: 0,0.8; --quick: 0)")
     p.add_argument("--max-new-tokens", type=int, help="per reply (default: 64; --quick: 32; "
                    "at least 128 for a tool call)")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompt set")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over the prompt set; with --batch, runs of each way (medians)")
     p.add_argument("--segments", help="comma-separated segment names (default: all but the "
                    "prompt set's on-request ones; tool_call, whose prompts are decoded under the "
                    "tools grammar and must call a tool, runs only when named)")

@@ -25,7 +25,7 @@ from collections import Counter
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
 from tests.audio.speech import speech
@@ -79,13 +79,23 @@ def server(tmp_path_factory):
         yield base, log
 
 
-@schema.exclude(path_regex=NOT_FUZZED).parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_route_answers_generated_input_with_a_server_error(case, server):
+# A test per operation through pytest's own parametrize: schemathesis' `parametrize()` gives its
+# tests one node id, and pytest-xdist's per-module scheduling would then run only one of them.
+OPERATIONS = [result.ok() for result in schema.exclude(path_regex=NOT_FUZZED).get_all_operations()]
+
+
+@pytest.mark.parametrize("operation", OPERATIONS, ids=lambda operation: operation.label)
+def test_no_route_answers_generated_input_with_a_server_error(operation, server):
     base, _log = server
-    response = case.call(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"},
-                         timeout=60)
-    _check(case, response)
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    def fuzz(case):
+        response = case.call(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"},
+                             timeout=60)
+        _check(case, response)
+
+    fuzz()
 
 
 def _check(case, response) -> None:

@@ -45,3 +45,10 @@ def test_the_batch_table_runs_each_mode_and_count_and_says_the_outputs_are_ident
                for r in rows)
     table = render(rows, ["# header"])
     assert "| off | 2 |" in table and "**no**" not in table
+
+
+def test_repeats_take_the_median_of_each_ways_runs(engine):
+    prompts = random_prompts(engine.runner.lean.vocab, 2, seed=7)
+    [row] = run_batch(engine, prompts, [2], ["off"], 8, say=lambda _: None, repeats=3)
+    assert row["repeats"] == 3 and row["identical"]
+    assert row["shared_tok_s"] > 0 and row["one_by_one_tok_s"] > 0

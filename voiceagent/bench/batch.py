@@ -12,6 +12,8 @@ forwards). Each request is prefilled first; the figures are its decode phase:
 - identical: every session's tokens in the shared run equal its tokens stepped one by one
   (each its own forward, as alone);
 - shared ÷ 1 session: against the same mode's one session of this run.
+
+With `--repeats N` each cell is the median of N runs of each way, taken in turn.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
 
 
 def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[int],
-              modes: list[str], max_new_tokens: int, say=logs.write) -> list[dict]:
+              modes: list[str], max_new_tokens: int, say=logs.write,
+              repeats: int = 1) -> list[dict]:
+    """A row per mode and number of sessions; with `repeats`, both ways are run that many times,
+    alternating, and each rate is the median of its runs (a shared machine drifts)."""
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
     rows = []
     for mode in modes:
@@ -75,16 +80,19 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
             chosen = [prompts[j % len(prompts)] for j in range(sessions)]
             say(f"batch: {mode}, {sessions} session(s)")
             decode_together(engine, chosen[:1], sampling, mode, shared=True)  # warm this mode
-            one_by_one = decode_together(engine, chosen, sampling, mode, shared=False)
-            together = decode_together(engine, chosen, sampling, mode, shared=True)
-            per_session = [t for t in together["session_tok_s"] if t is not None]
+            runs = [(decode_together(engine, chosen, sampling, mode, shared=False),
+                     decode_together(engine, chosen, sampling, mode, shared=True))
+                    for _ in range(max(1, repeats))]
+            per_session = [t for _, together in runs for t in together["session_tok_s"]
+                           if t is not None]
             rows.append({
                 "mode": mode,
                 "sessions": sessions,
-                "one_by_one_tok_s": one_by_one["aggregate_tok_s"],
-                "shared_tok_s": together["aggregate_tok_s"],
+                "repeats": len(runs),
+                "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _ in runs),
+                "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b in runs),
                 "session_tok_s_p50": statistics.median(per_session) if per_session else None,
-                "identical": together["outputs"] == one_by_one["outputs"],
+                "identical": all(b["outputs"] == a["outputs"] for a, b in runs),
             })
     for row in rows:  # against one session of the same mode, measured in this run
         one = next((r for r in rows if r["mode"] == row["mode"] and r["sessions"] == 1), None)
@@ -128,7 +136,8 @@ def run_batch_bench(cfg: Config, args) -> int:
     texts = [t for name, seg in prompt_set.segments.items()
              if name not in prompt_set.tools and name not in prompt_set.on_request for t in seg]
     prompts = [encode_chat(tokenizer, messages(prompt_set.system, t)) for t in texts]
-    rows = run_batch(engine, prompts, sizes, modes, args.max_new_tokens or 64)
+    rows = run_batch(engine, prompts, sizes, modes, args.max_new_tokens or 64,
+                     repeats=args.repeats)
     machine = {**machine_info(engine.device), "load_avg_1m_at_start": load_at_start}
     header = [
         f"# Engine, sessions at once ({started:%Y-%m-%d %H:%M} UTC)", "",
@@ -137,7 +146,8 @@ def run_batch_bench(cfg: Config, args) -> int:
         f"{machine['load_avg_1m']:.1f} at end",
         f"- target {cfg.engine.target}, format {engine.runner.format} ({engine.runner.name} "
         f"runner, shares forwards of up to {engine.runner.shared_rows} rows), greedy, "
-        f"{args.max_new_tokens or 64} new tokens a session",
+        f"{args.max_new_tokens or 64} new tokens a session; each rate the median of "
+        f"{max(1, args.repeats)} run(s) of each way, alternating",
     ]
     markdown = render(rows, header)
     out = Path(args.out)

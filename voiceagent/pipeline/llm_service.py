@@ -382,10 +382,10 @@ class ChatLLMService(LLMService):
     # -- one request ----------------------------------------------------------------------------
 
     async def _begin(self, context: LLMContext, prepared: bool) -> None:
-        # No wait for a prefill in flight: the engine steps requests in arrival order and a
-        # request takes its session's KV at its first step, so the one-step prefill has returned
-        # it by then. Nothing here awaits before the request is registered, so a withdrawal or an
-        # interruption that arrives next always finds it.
+        # No wait for a prefill in flight: a request takes its session's KV at its first step,
+        # and the engine's worker holds it back for the round in which the call's one-token
+        # prefill ends (`llm_engine.serving`). Nothing here awaits before the request is
+        # registered, so a withdrawal or an interruption that arrives next always finds it.
         self._log_llm_response(context)
         try:
             messages = self._messages(context)
