@@ -84,8 +84,9 @@ def _output_tv(p, q, sampler) -> float:
     bucket[top] = torch.arange(TOP)
     counts = torch.zeros(TOP + 1)
     pp = torch.stack([p, p])  # [2, vocab]: position 0 and the bonus position
-    for _ in range(SAMPLES):
-        d = torch.multinomial(q, 1, generator=gen)  # [1]
+    # The drafts, iid from q, drawn at once: a draw over the vocabulary costs ~0.8 ms each.
+    drafts = torch.multinomial(q, SAMPLES, replacement=True, generator=gen)  # [SAMPLES]
+    for d in drafts.split(1):
         counts[bucket[sampler(d, q[None], pp, gen).tokens[0]]] += 1
     expected = torch.zeros(TOP + 1).index_add_(0, bucket, p)
     return 0.5 * (counts / SAMPLES - expected).abs().sum().item()
