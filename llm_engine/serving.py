@@ -125,7 +125,8 @@ def _this_round(going: list[RequestHandle]) -> list[RequestHandle]:
         st = handle.state
         if st.prefilled or st.session_id not in ending:
             ready.append(handle)
-        if st.session_id is not None and st.sampling.max_new_tokens - len(st.output_ids) <= 1:
+        generated = len(st.token_ids) - len(st.prompt_ids)  # not output_ids: no copy a round
+        if st.session_id is not None and st.sampling.max_new_tokens - generated <= 1:
             ending.add(st.session_id)
     return ready
 

@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 from twilio.request_validator import RequestValidator
 
 from tests.voiceagent.server_proc import REPO, free_port, log_tail
@@ -192,16 +193,8 @@ class Front:
         """nginx up; websockets' default TLS context trusts the test CA meanwhile."""
         snippet = render(host=PUBLIC_HOST, tls_port=self.tls_port, http_port=self.http_port,
                          upstreams=upstreams, cert=self.cert, key=self.key)
-        saved = os.environ.get("SSL_CERT_FILE")
-        os.environ["SSL_CERT_FILE"] = str(self.ca)
-        try:
-            with running_nginx(snippet, self.folder / "nginx", self.tls_port):
-                yield Proxy(f"https://127.0.0.1:{self.tls_port}",
-                            f"http://127.0.0.1:{self.http_port}",
-                            f"{PUBLIC_HOST}:{self.tls_port}", self.public_url,
-                            tls_context(self.ca))
-        finally:
-            if saved is None:
-                os.environ.pop("SSL_CERT_FILE", None)
-            else:
-                os.environ["SSL_CERT_FILE"] = saved
+        with running_nginx(snippet, self.folder / "nginx", self.tls_port), \
+                pytest.MonkeyPatch.context() as env:
+            env.setenv("SSL_CERT_FILE", str(self.ca))
+            yield Proxy(f"https://127.0.0.1:{self.tls_port}", f"http://127.0.0.1:{self.http_port}",
+                        f"{PUBLIC_HOST}:{self.tls_port}", self.public_url, tls_context(self.ca))
