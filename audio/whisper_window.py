@@ -24,6 +24,10 @@ import numpy as np
 
 SAMPLE_RATE = 16000
 FRAMES_PER_S = 100  # Whisper's mel frames: a hop of 160 samples
+# The cut window's length is rounded up to this many frames: CTranslate2 keeps ~0.4 MB for every
+# input length it has seen, so a window per 10 ms frame grew a server's memory call after call;
+# 0.5 s steps bound it at 60 lengths (~20 MB) for ~0.25 s more frames a run.
+WINDOW_STEP_FRAMES = 50
 # Speech is at most ~4 words a second, ~1.3 tokens a word (digits spoken one by one: ~1 each):
 # a decode longer than this is the decoder running on past the audio.
 MAX_TOKENS_PER_S = 8
@@ -70,8 +74,7 @@ def transcribe_speech(model, audio: np.ndarray, language: str | None, beam_size:
 
     audio_s = len(audio) / SAMPLE_RATE
     frames = model.feature_extractor(audio)[..., :-1]  # as faster-whisper cuts its segments
-    n = max(frames.shape[1] + margin_ms * FRAMES_PER_S // 1000, min_ms * FRAMES_PER_S // 1000)
-    n = min(n, model.feature_extractor.nb_max_frames)
+    n = window_frames(frames.shape[1], margin_ms, min_ms, model.feature_extractor.nb_max_frames)
     # zero frames past the audio, as `pad_or_trim` gives the padded run
     cut = np.zeros((1, frames.shape[0], n), np.float32)
     cut[0, :, : min(n, frames.shape[1])] = frames[:, :n]
@@ -93,6 +96,13 @@ def transcribe_speech(model, audio: np.ndarray, language: str | None, beam_size:
     if why == DIGITS and not settle:
         return WhisperRun(text, "speech", owed=why)
     return WhisperRun(transcribe_padded(model, audio, language, beam_size), "padded", why)
+
+
+def window_frames(speech_frames: int, margin_ms: int, min_ms: int, max_frames: int) -> int:
+    """The cut run's window in mel frames: the speech and its margin, at least `min_ms`, in
+    steps of `WINDOW_STEP_FRAMES`, at most the padded window."""
+    n = max(speech_frames + margin_ms * FRAMES_PER_S // 1000, min_ms * FRAMES_PER_S // 1000)
+    return min(-(-n // WINDOW_STEP_FRAMES) * WINDOW_STEP_FRAMES, max_frames)
 
 
 def segments(tokens: list[int], timestamp_begin: int) -> list[tuple[float, list[int]]]:

@@ -199,11 +199,12 @@ def measure(runner: TargetRunner, max_rows: int, new_proposers: dict[str, Callab
 
 
 def still_valid(costs: CostModel, runner: TargetRunner, tolerance: float = 1.6) -> bool:
-    """Whether a cached cost model still describes this machine: one plain step timed now agrees
-    with it within `tolerance`x. A measurement taken while something else held the CPU (or on
-    other hardware behind the same key) is then replaced instead of misleading every load."""
+    """Whether a cached cost model still describes this machine: one plain step timed now is not
+    `tolerance`x faster than it. A measurement taken while something else held the CPU is then
+    replaced by a calm one. A step slower now says the CPU is busy now, not that the cache is
+    wrong: measuring again under that load would replace a good model with a bent one."""
     now = measure_verify(runner, 1, costs.context, repeats=3)[0]
-    return 1.0 / tolerance <= now / costs.plain_ms <= tolerance
+    return now * tolerance >= costs.plain_ms
 
 
 # -- the cache on disk ---------------------------------------------------------------------------

@@ -94,3 +94,11 @@ def test_repeats_finds_the_short_context_loop():
     assert repeats("Can you check order 4815 for me? Can you check order")
     assert not repeats("Can you check order 4815 for me?")
     assert not repeats("Yes.")
+
+
+def test_window_lengths_come_in_steps_so_the_encoder_sees_few_shapes():
+    # CTranslate2 keeps memory for every input length it has run: one per 10 ms would grow
+    lengths = {whisper_window.window_frames(frames, 300, 1000, 3000) for frames in range(3000)}
+    assert lengths == set(range(100, 3001, whisper_window.WINDOW_STEP_FRAMES))
+    assert whisper_window.window_frames(1200, 1000, 10000, 3000) == 1300  # speech + margin
+    assert whisper_window.window_frames(200, 1000, 10000, 3000) == 1000  # the minimum context

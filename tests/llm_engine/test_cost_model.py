@@ -65,6 +65,17 @@ def test_a_cached_cost_model_is_used_instead_of_measuring(target, tokenizer, tmp
     assert engine.cost_model == made
 
 
+def test_a_cached_model_measured_under_load_is_replaced_but_not_one_read_under_load(target):
+    runner = EagerRunner(target)
+    now = cost_model.measure_verify(runner, 1, context=16, repeats=3)[0]
+    calm = cost_model.CostModel([now], context=16)
+    under_load = cost_model.CostModel([now * 10], context=16)  # 10x slower than the machine
+    faster_than_now = cost_model.CostModel([now / 10], context=16)  # as if read now under load
+    assert cost_model.still_valid(calm, runner)
+    assert not cost_model.still_valid(under_load, runner)
+    assert cost_model.still_valid(faster_than_now, runner)
+
+
 def test_the_machine_key_names_the_processor_and_threads():
     key = cost_model.machine_key(torch.device("cpu"))
     assert key["processor"] and key["threads"] == torch.get_num_threads()

@@ -16,7 +16,7 @@ import pytest
 import websockets
 
 from tests.audio.speech import speech
-from tests.voiceagent.server_proc import REPO, free_port
+from tests.voiceagent.server_proc import READY_TIMEOUT_S, REPO, free_port
 from tests.voiceagent.serving import server_config
 from voiceagent.server.app import create_app
 from voiceagent.sim.twilio_caller import TwilioCaller
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "How far away is the moon?"]
 
 
-async def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+async def _wait_ready(base: str, proc: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> None:
     async with httpx.AsyncClient() as http:
         for _ in range(int(timeout / 0.25)):
             assert proc.poll() is None, f"serve exited with {proc.returncode}"
@@ -112,6 +112,32 @@ async def test_sigterm_drains_the_call_in_progress_refuses_new_ones_then_exits(t
             await caller.hang_up()
         assert await _exit_status(proc, 30) == 0, log.read_text()[-2000:]
         assert "drained: no call in progress" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_sigterm_while_the_models_load_exits_at_once_without_an_abort(tmp_path):
+    # An empty cache: the load de-quantises the GGUF and measures the machine, a minute or more.
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = _serve(port, tmp_path, log, "--set", f"paths.cache_dir={tmp_path / 'cache'}")
+    try:
+        async with httpx.AsyncClient() as http:
+            for _ in range(240):
+                try:
+                    health = (await http.get(f"http://127.0.0.1:{port}/healthz")).json()
+                    if health.get("step", "starting") != "starting":
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.25)
+        assert health["status"] == "loading", health
+        await asyncio.sleep(2)  # the loader is running (the abort came when it was in torch)
+        proc.send_signal(signal.SIGTERM)
+        # It could abort with "terminate called without an active exception" (SIGABRT).
+        assert await _exit_status(proc, 30) == 0, log.read_text()[-2000:]
+        assert "stopped while loading the models" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

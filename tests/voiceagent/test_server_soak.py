@@ -28,7 +28,11 @@ REPLY_TIMEOUT_S = 120
 # 200-call soak; RSS wanders by ~10 MB from call to call, so over the suite's 50 the bound is
 # looser (onnxruntime's arena for Piper, before audio.loaders turned it off, gave +1.7 MB a call).
 MAX_SLOPE_MB_PER_CALL = 0.2 if CALLS >= 100 else 0.5
-MAX_MALLOC_SLOPE_MB_PER_CALL = 0.1  # on the bytes malloc has handed out and not had back
+# On the bytes malloc has handed out and not had back. Below 0.1 MB a call on an idle machine;
+# under load 0.11 (two busy loops here) to 0.19 (CI's other test worker): the calls' timing then
+# varies the prefill chunks and so the shapes torch and MKL keep a bounded cache for (measured
+# ~27 KB per new attention length; the same lengths again add nothing).
+MAX_MALLOC_SLOPE_MB_PER_CALL = 0.3
 # The server keeps the turn records of its last 100 calls in memory: ~21 objects a call.
 MAX_OBJECTS_PER_CALL = 100
 
@@ -67,18 +71,23 @@ async def test_a_soak_of_calls_leaves_nothing_behind_and_memory_flat(tmp_path, m
     cfg = server_config(tmp_path, f"server.max_calls={AT_ONCE}")
     async with serving(cfg, models) as (app, base):
         server, url = app.state.server, twilio_url(base)
+        engine = models.worker
+
+        async def ended() -> bool:  # the server has ended the call too, not just the caller
+            return await until(lambda: not server.calls.active and engine.in_flight == 0, 10)
+
         await _call(url, 0, audio)  # warm: first-call allocations are not a leak
+        assert await ended()
         tasks_before = len(asyncio.all_tasks())
         memory, objects = [settled_memory()], [len(gc.get_objects())]
         for n in range(CALLS):
             await _call(url, n, audio)
+            assert await ended()
             memory.append(settled_memory())
             objects.append(len(gc.get_objects()))
-        assert await until(lambda: not server.calls.active, 10)
         for first in range(0, CALLS, AT_ONCE):
             await asyncio.gather(*(_call(url, n, audio)
                                    for n in range(first, min(first + AT_ONCE, CALLS))))
-        engine = models.worker
         settled = await until(lambda: not server.calls.active and engine.in_flight == 0
                                and server.events.subscribers == 0, 15)
         memory.append(settled_memory())

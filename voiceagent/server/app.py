@@ -175,4 +175,5 @@ def _start_loading(state: ServerState, loop: asyncio.AbstractEventLoop, on_faile
         if on_failed is not None:
             on_failed(error)
 
-    threading.Thread(target=load, name="model-load", daemon=True).start()
+    state.loader = threading.Thread(target=load, name="model-load", daemon=True)
+    state.loader.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import signal
 import socket
 import sys
@@ -215,7 +216,17 @@ def _serve_on(cfg: Config, sock: socket.socket) -> int:
                 f"ws://{host}:{port}/telephony/twilio ; loading models (GET /healthz says when "
                 "ready)")
     server.run(sockets=[sock])
+    code = 0
     if failed:
         print(f"error: {failed[0]}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    loader = app.state.server.loader
+    if loader is not None and loader.is_alive():
+        # Stopped while the models load: the loader thread is inside torch or CTranslate2, and
+        # finalising the interpreter under it aborts the process ("terminate called without an
+        # active exception"). No call ran, and the store is closed: leave at once.
+        logger.info("stopped while loading the models")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

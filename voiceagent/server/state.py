@@ -4,6 +4,7 @@ and what the dashboard reads (the turn store, metrics, live events)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class ServerState:
     shared: SharedModels | None = None
     load_error: str | None = None
     loading_step: str = "starting"
+    loader: threading.Thread | None = None  # the model load, while it runs
     webrtc: SmallWebRTCRequestHandler = field(default_factory=SmallWebRTCRequestHandler)
     webrtc_calls: dict[str, ActiveCall] = field(default_factory=dict)  # by pc_id
     handshakes: dict[str, int] = field(default_factory=dict)  # Twilio sockets before `start`,
