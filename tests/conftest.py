@@ -38,3 +38,14 @@ def smollm2():
 
     cfg = load_config()
     return load_llm(cfg.engine.target, cfg.engine, cfg.paths.cache_dir, progress=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def smollm2_costs(smollm2):
+    """One cost model for the embedded target's test engines: measuring takes ~4 s an engine,
+    and what an engine says does not depend on it (only how long its drafts are)."""
+    from llm_engine.config import EngineConfig
+    from llm_engine.engine import SpeculativeEngine
+
+    return SpeculativeEngine(smollm2.model, smollm2.tokenizer, EngineConfig(),
+                             draft_model=smollm2.model).cost_model

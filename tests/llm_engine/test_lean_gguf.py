@@ -47,12 +47,13 @@ def test_the_q4_codes_are_the_ggufs_and_only_scales_and_zeros_round(smollm2, q4)
     assert not torch.equal(ours, file)  # the rounding is real: the test would see a change
 
 
-def test_greedy_speculation_on_q4_equals_plain_decoding_on_20_held_out_prompts(smollm2, q4):
+def test_greedy_speculation_on_q4_equals_plain_decoding_on_20_held_out_prompts(
+        smollm2, smollm2_costs, q4):
     def engine(method: str, **extra) -> SpeculativeEngine:
         config = EngineConfig(sampling=SamplingConfig(max_new_tokens=24), max_context=1024,
                               speculation=SpeculationConfig(method=method, gate=False))
         return SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, runner=q4,
-                                 cost_model=None if method == "off" else off.cost_model, **extra)
+                                 cost_model=smollm2_costs, **extra)
 
     if q4.bit_identical is False:  # then `auto` never takes q4 here
         pytest.skip(f"q4: this CPU's kernels are row-dependent even padded ({cpu_model()})")

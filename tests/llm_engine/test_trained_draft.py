@@ -42,10 +42,12 @@ def draft(smollm2, method):
     return LOADERS[method](smollm2).model
 
 
-def _run(smollm2, draft, method: str, prompt: str, sampling: SamplingConfig, **spec) -> list:
+def _run(smollm2, costs, draft, method: str, prompt: str, sampling: SamplingConfig, **spec
+         ) -> list:
     config = EngineConfig(speculation=SpeculationConfig(method=method, **spec), sampling=sampling)
     models = {"draft_model" if isinstance(draft, PreTrainedModel) else "eagle_head": draft}
-    engine = SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, **models)
+    engine = SpeculativeEngine(smollm2.model, smollm2.tokenizer, config, cost_model=costs,
+                               **models)
     state = engine.start(encode_chat(smollm2.tokenizer, [{"role": "user", "content": prompt}]))
     while not state.finished:
         engine.step(state)
@@ -54,10 +56,11 @@ def _run(smollm2, draft, method: str, prompt: str, sampling: SamplingConfig, **s
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_with_the_trained_draft_equals_greedy_off(smollm2, draft, method, prompt):
+def test_greedy_with_the_trained_draft_equals_greedy_off(smollm2, smollm2_costs, draft, method,
+                                                        prompt):
     sampling = SamplingConfig(max_new_tokens=40)
-    off = _run(smollm2, draft, "off", prompt, sampling)
-    assert _run(smollm2, draft, method, prompt, sampling, gate=False) == off
+    off = _run(smollm2, smollm2_costs, draft, "off", prompt, sampling)
+    assert _run(smollm2, smollm2_costs, draft, method, prompt, sampling, gate=False) == off
 
 
 def _next_token_distributions(smollm2, draft, method, temperature: float = 0.8):
