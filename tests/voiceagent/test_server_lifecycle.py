@@ -47,6 +47,12 @@ def _serve(port: int, runs: Path, log: Path, *overrides: str) -> subprocess.Pope
     )
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 async def _exit_status(proc: subprocess.Popen, timeout: float = 15) -> int | None:
     t0 = time.monotonic()
     while proc.poll() is None and time.monotonic() - t0 < timeout:
@@ -76,9 +82,7 @@ async def test_a_stop_signal_ends_the_call_in_progress_and_the_process_exits(tmp
         assert await _exit_status(proc) == EXIT_STATUS[sig], log.read_text()[-2000:]
         assert "Application shutdown complete" in log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
 
 
 async def test_sigterm_drains_the_call_in_progress_refuses_new_ones_then_exits(tmp_path):
@@ -113,9 +117,7 @@ async def test_sigterm_drains_the_call_in_progress_refuses_new_ones_then_exits(t
         assert await _exit_status(proc, 30) == 0, log.read_text()[-2000:]
         assert "drained: no call in progress" in log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
 
 
 async def test_sigterm_while_the_models_load_exits_at_once_without_an_abort(tmp_path):
@@ -139,9 +141,7 @@ async def test_sigterm_while_the_models_load_exits_at_once_without_an_abort(tmp_
         assert await _exit_status(proc, 30) == 0, log.read_text()[-2000:]
         assert "stopped while loading the models" in log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
 
 
 async def test_healthz_is_503_while_loading_then_200(tmp_path):
@@ -188,9 +188,7 @@ async def test_after_a_kill_9_mid_call_every_turn_that_ended_is_in_the_store(tmp
                 os.kill(proc.pid, signal.SIGKILL)  # mid-call: no shutdown of any kind
                 proc.wait()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     restarted = _serve(port, tmp_path, log)
     try:
         await _wait_ready(base, restarted)
