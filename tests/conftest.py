@@ -10,14 +10,36 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+# The modules that take a worker a minute or more (`--durations`), longest first. xdist hands
+# modules out in collection order (`--no-loadscope-reorder` in the addopts), so these start first
+# and the short ones fill in beside them: started last, the 5-minute soak ran alone at the end.
+LONG_MODULES = [
+    "tests/voiceagent/test_server_soak.py",
+    "tests/voiceagent/test_faults_under_load.py",
+    "tests/voiceagent/test_preparation.py",
+    "tests/voiceagent/test_call.py",
+    "tests/llm_engine/test_trained_draft.py",
+    "tests/voiceagent/test_server_lifecycle.py",
+    "tests/llm_engine/test_lean_gguf.py",
+    "tests/llm_engine/test_loading.py",
+    "tests/voiceagent/test_browser_dashboard.py",
+]
+
 
 def pytest_collection_modifyitems(items):
     """Every test has its own node id: pytest-xdist's per-module scheduling (the README's test
-    command) keys tests by it, and of several that share one it would run one."""
+    command) keys tests by it, and of several that share one it would run one. The long modules
+    go first (`LONG_MODULES`); the rest keep their order."""
     counts = Counter(item.nodeid for item in items)
     shared = sorted(nodeid for nodeid, n in counts.items() if n > 1)
     if shared:
         raise pytest.UsageError(f"tests that share a node id: {shared}")
+
+    def rank(item) -> int:
+        module = item.nodeid.split("::", 1)[0]
+        return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(autouse=True)
