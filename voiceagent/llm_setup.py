@@ -199,10 +199,11 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
         attention = _attention_dtype(model, fmt, max_rows, measurements)
         key = {**cost_model.machine_key(next(model.parameters()).device), "part": "invariance",
                "target": cost_model.model_key(model), "file": target.file_sha256, "format": fmt,
-               "attention": str(attention), "max_rows": max_rows}
+               "attention": str(attention), "max_rows": max_rows, "probes": 2}
         probed = measurements.load_record(key) if measurements else None
+        slots = engine_cfg.kv_pool_slots if engine_cfg.shared_forwards else 0
         runner = LeanRunner(model, fmt, engine_cfg.max_context, max_rows, gguf,
-                            attention_dtype=attention, probed=probed)
+                            attention_dtype=attention, probed=probed, cache_slots=slots)
         if measurements and probed is None:
             measurements.save_record(key, runner.probe_result)
         return runner

@@ -13,10 +13,13 @@ runs a bf16 `bmm` 3-17x slower than an fp32 one (`fastest_attention_dtype`).
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -97,17 +100,73 @@ def fastest_attention_dtype(model: nn.Module, fmt: str, max_rows: int, keys: int
 @dataclass
 class LeanCache:
     """Keys and values of every layer, [layers, kv_heads, max_len, head_dim]; `length` positions
-    are valid. A crop only moves the counter."""
+    are valid. A crop only moves the counter. A cache of a `CachePool` is its slot `slot`."""
 
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
+    pool: CachePool | None = None
+    slot: int = -1
+
+
+class CachePool:
+    """Caches side by side in one block [layers, slots, kv_heads, max_len, head_dim] (keys, and
+    values alike), so that a shared forward attends over the caches of requests in consecutive
+    slots with one batched product per layer (`LeanLlama._attend_run`) instead of one per request.
+
+    A slot is taken by `take` and given back when its cache is dropped, zeroed where it was
+    written: a masked key's value must be finite, and no call sees another's numbers. On a CPU the
+    block is calloc'd, so only the positions a slot has written take memory."""
+
+    def __init__(self, lean: LeanLlama, slots: int, max_len: int):
+        shape = (2, len(lean.layers), slots, lean.kv_heads, max_len, lean.head_dim)
+        dtype, device = lean.attention_dtype, lean.device
+        if device.type == "cpu":  # numpy's zeros are calloc'd: pages are mapped when written
+            raw = torch.from_numpy(np.zeros(shape, dtype=np.uint8 if dtype.itemsize == 1 else
+                                            f"u{dtype.itemsize}"))
+            both = raw.view(dtype)
+        else:
+            both = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = both[0], both[1]
+        self.max_len = max_len
+        self._free = list(range(slots))
+        self._written = [0] * slots  # per slot, the positions written since it was zeroed
+        self._lock = threading.Lock()
+
+    def take(self) -> LeanCache | None:
+        """A cache in the lowest free slot (requests then sit side by side), or None when full."""
+        with self._lock:
+            if not self._free:
+                return None
+            slot = min(self._free)
+            self._free.remove(slot)
+        cache = LeanCache(self.k[:, slot], self.v[:, slot], pool=self, slot=slot)
+        weakref.finalize(cache, self._give_back, slot)
+        return cache
+
+    def wrote(self, slot: int, end: int) -> None:
+        self._written[slot] = max(self._written[slot], end)
+
+    def _give_back(self, slot: int) -> None:
+        end = self._written[slot]
+        if end:
+            self.k[:, slot, :, :end].zero_()
+            self.v[:, slot, :, :end].zero_()
+        with self._lock:
+            self._written[slot] = 0
+            self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
 
 
 @dataclass
 class _Part:
     """One sequence of a forward (`LeanLlama.run_many`)."""
 
+    cache: LeanCache
     rows: slice  # its rows in the forward
     positions: torch.Tensor  # [n]
     visible: torch.Tensor  # [n (+ pad), keys] bool
@@ -122,6 +181,20 @@ class _Part:
     @property
     def n(self) -> int:
         return self.rows.stop - self.rows.start
+
+
+@dataclass
+class _Run:
+    """Parts of one forward in consecutive slots of a pool, attended over in one product: their
+    queries padded alike to `width` rows, their keys to the longest part's (`_attend_run`)."""
+
+    parts: list[_Part]  # in slot order
+    width: int  # query rows per part
+    keys: int
+    queries: torch.Tensor  # [slots * width] the forward's row each padded query row takes
+    outputs: torch.Tensor  # [rows] each part row's place among the padded rows
+    rows: torch.Tensor  # [rows] where those rows go in the forward
+    bias: torch.Tensor  # [slots * kv_heads, width * groups, keys]
 
 
 class _Layer(nn.Module):
@@ -152,6 +225,10 @@ class LeanLlama(nn.Module):
         # Short forwards' queries padded to at least this many rows (0: as they come), where the
         # attention's kernels round a row differently with the row count (the runner's probe).
         self.attention_rows = 0
+        # Caches handed out side by side (`CachePool`), and whether a shared forward attends over
+        # consecutive slots in one product (set by the runner's probe: a row's numbers unchanged).
+        self.pool: CachePool | None = None
+        self.batch_attention = False
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -213,8 +290,13 @@ class LeanLlama(nn.Module):
                                   _to(_bias(module), self.dtype))
 
     def new_cache(self, max_len: int) -> LeanCache:
+        """A cache of max_len positions: a free slot of the pool where it has one that long."""
         # whole key blocks, so that a row near the end attends over a block too
         max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
+        if self.pool is not None and self.pool.max_len == max_len:
+            cache = self.pool.take()
+            if cache is not None:
+                return cache
         # Keys and values in one zeroed allocation: a row attends over keys up to the next
         # KEY_BLOCK, masked, and a masked key's value must be finite (0 x NaN is NaN). One block
         # of tens of MB is mapped and unmapped whole by the C allocator, where two halves of it
@@ -255,6 +337,8 @@ class LeanLlama(nn.Module):
             offsets.append(offsets[-1] + n)
         plans = [self._plan(cache, start, slice(offsets[j], offsets[j + 1]), x.device)
                  for j, (cache, start, _) in enumerate(parts)]
+        runs = self._runs(plans) if self.batch_attention and len(plans) > 1 else []
+        alone = [plan for plan in plans if not any(plan is p for run in runs for p in run.parts)]
         positions = plans[0].positions if len(plans) == 1 else \
             torch.cat([plan.positions for plan in plans])
         cos, sin = self.rope(positions)
@@ -268,9 +352,16 @@ class LeanLlama(nn.Module):
             v = qkv[:, q_width + kv_width:].view(rows, self.kv_heads, self.head_dim)
             if len(plans) == 1:
                 attn = self._attend(i, plans[0], q, k, v)
-            else:
+            elif not runs:
                 attn = torch.cat([self._attend(i, plan, q[plan.rows], k[plan.rows], v[plan.rows])
                                   for plan in plans])
+            else:
+                attn = q.new_empty(rows, q_width)
+                for plan in alone:
+                    attn[plan.rows] = self._attend(i, plan, q[plan.rows], k[plan.rows],
+                                                   v[plan.rows])
+                for run in runs:
+                    attn.index_copy_(0, run.rows, self._attend_run(i, run, q, k, v))
             x = x + layer.o(attn.to(self.dtype))
             gate, up = layer.gate_up(_rms(x, layer.norm2, self.eps)).chunk(2, dim=-1)
             x = x + layer.down(nn.functional.silu(gate) * up)
@@ -291,9 +382,65 @@ class LeanLlama(nn.Module):
                 visible = torch.cat([visible, visible[-1:].expand(pad, -1)])
             bias = torch.zeros(visible.shape, device=device).masked_fill_(
                 ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
-        return _Part(rows, positions, visible, pad, bias,
+        if cache.pool is not None:
+            cache.pool.wrote(cache.slot, start + n)
+        return _Part(cache, rows, positions, visible, pad, bias,
                      cache.k[:, :, start:start + n], cache.v[:, :, start:start + n],
                      cache.k[:, :, :keys], cache.v[:, :, :keys])
+
+    def _runs(self, plans: list[_Part]) -> list[_Run]:
+        """The forward's short parts in consecutive slots of the pool, two or more to a run."""
+        pooled = sorted((p for p in plans if p.cache.pool is self.pool and p.bias is not None),
+                        key=lambda p: p.cache.slot)
+        groups: list[list[_Part]] = []
+        for part in pooled:
+            if groups and part.cache.slot == groups[-1][-1].cache.slot + 1:
+                groups[-1].append(part)
+            else:
+                groups.append([part])
+        return [self._run(group) for group in groups if len(group) > 1]
+
+    def _run(self, parts: list[_Part]) -> _Run:
+        """A run's padded queries, where its rows go, and its mask over the longest part's keys:
+        a part's padded rows repeat its last row, as alone (`_plan`)."""
+        width = max(max(p.n for p in parts), self.attention_rows)
+        keys = max(p.k_seen.shape[2] for p in parts)
+        device = parts[0].positions.device
+        queries, outputs, rows, masks = [], [], [], []
+        for j, part in enumerate(parts):
+            start, n = part.rows.start, part.n
+            queries += [start + min(r, n - 1) for r in range(width)]
+            outputs += [j * width + r for r in range(n)]
+            rows += range(start, start + n)
+            seen = torch.arange(keys, device=device)[None, :] <= part.positions[:, None]
+            seen = torch.cat([seen, seen[-1:].expand(width - n, -1)])
+            masks.append(torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
+                         .repeat_interleave(self.heads // self.kv_heads, dim=0))
+        bias = torch.stack(masks)[:, None].expand(-1, self.kv_heads, -1, -1)
+        index = lambda values: torch.tensor(values, device=device)  # noqa: E731
+        return _Run(parts, width, keys, index(queries), index(outputs), index(rows),
+                    bias.reshape(len(parts) * self.kv_heads, *bias.shape[2:]))
+
+    def _attend_run(self, i: int, run: _Run, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention for a run of parts in one product over their slots, each part's
+        query rows and keys as `_attend_rows` has them alone (the masked keys past a part's own
+        add exact zeros). Returns the run's rows [rows, heads * dim], in `run.rows` order."""
+        for part in run.parts:
+            part.k_new[i].copy_(k[part.rows].transpose(0, 1))
+            part.v_new[i].copy_(v[part.rows].transpose(0, 1))
+        slots, groups, dim = len(run.parts), self.heads // self.kv_heads, self.head_dim
+        first = run.parts[0].cache.slot
+        # [slots, kv_heads, keys, dim] as [slots * kv_heads, keys, dim]: a view, no copy
+        keys = self.pool.k[i, first:first + slots, :, :run.keys].flatten(0, 1)
+        values = self.pool.v[i, first:first + slots, :, :run.keys].flatten(0, 1)
+        grouped = q.index_select(0, run.queries).view(slots, run.width, self.kv_heads, groups, dim)
+        grouped = grouped.permute(0, 2, 1, 3, 4).reshape(slots * self.kv_heads, -1, dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * dim ** -0.5
+        probs = torch.softmax(scores + run.bias, dim=-1).to(q.dtype)
+        out = torch.bmm(probs, values).view(slots, self.kv_heads, run.width, groups, dim)
+        out = out.permute(0, 2, 1, 3, 4).reshape(slots * run.width, self.heads * dim)
+        return out.index_select(0, run.outputs)
 
     def _attend(self, i: int, part: _Part, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ every row, bit for bit. Three rungs, each probed again, the cheapest that holds 
   whole forward cost ~60 ms);
 - "padded": every short forward runs in the verify's shape, plain steps too.
 The runner records which (`rows`) and whether it holds (`bit_identical`).
+
+Where rows run as they come, requests share forwards (`forward_many`), and their caches sit side
+by side in a `CachePool`, so a shared forward attends over consecutive slots in one product per
+layer. `probe_shared` checks that a part's logits there are bit for bit its logits alone, over
+caches of other lengths; where they are not, each part attends alone, as before.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llm_engine.lean.llama import ROWS, LeanCache, LeanLlama
+from llm_engine.lean.llama import KEY_BLOCK, ROWS, CachePool, LeanCache, LeanLlama
 from llm_engine.runner import Forward, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -33,12 +38,14 @@ class LeanRunner(TargetRunner):
 
     def __init__(self, model: nn.Module, fmt: str, max_cache_len: int, max_rows: int,
                  gguf_file: str | Path | None = None, probe: bool = True,
-                 attention_dtype: torch.dtype | None = None, probed: dict | None = None):
+                 attention_dtype: torch.dtype | None = None, probed: dict | None = None,
+                 cache_slots: int = 0):
         """probe=False: a draft's runner, whose rows need not be invariant (the target's
         verification keeps the output exact whatever a draft proposes). attention_dtype: see
         `llm_engine.lean.llama.fastest_attention_dtype` (default: the activations'). probed: a
         `probe_result` of this machine, model, format and attention dtype, taken instead of
-        probing again (seconds of every start)."""
+        probing again (seconds of every start). cache_slots: caches in the pool of a runner
+        that shares forwards (0: each cache its own allocation)."""
         super().__init__(model)
         if max_rows > ROWS:
             raise ValueError(f"the lean runner verifies at most {ROWS} rows, not {max_rows}")
@@ -51,6 +58,7 @@ class LeanRunner(TargetRunner):
         if probe and probed is not None:
             self.lean.attention_rows = probed["attention_rows"]
             self.pad_to, self.bit_identical = probed["pad_to"], probed["bit_identical"]
+            self._pool(cache_slots, probed["batch_attention"])
             return
         self.bit_identical = probe_invariance(self, max_rows) if probe else None
         # Then the attention's queries only, to 2 rows (the fp32 bmm on an AVX2 EPYC rounds
@@ -66,6 +74,23 @@ class LeanRunner(TargetRunner):
             if not self.bit_identical:
                 log.warning("lean %s: a position's logits depend on the forward's row count "
                             "even in one shape; speculation may differ from plain decoding", fmt)
+        if probe:
+            self._pool(cache_slots, None)
+
+    def _pool(self, slots: int, batch_attention: bool | None) -> None:
+        """The cache pool of a runner that shares forwards, and whether a run of its slots
+        attends in one product (None: probe it)."""
+        if slots < 2 or not self.shared_rows:
+            return
+        length = -(-self.max_cache_len // KEY_BLOCK) * KEY_BLOCK  # as `LeanLlama.new_cache`
+        self.lean.pool = CachePool(self.lean, slots, length)
+        if batch_attention is None:
+            self.lean.batch_attention = True
+            batch_attention = probe_shared(self)
+            if not batch_attention:
+                log.info("lean %s: a shared forward's rows differ when attended in one product "
+                         "here; each request attends alone", self._format)
+        self.lean.batch_attention = batch_attention
 
     @property
     def format(self) -> str:
@@ -81,7 +106,7 @@ class LeanRunner(TargetRunner):
     @property
     def probe_result(self) -> dict:
         return {"attention_rows": self.lean.attention_rows, "pad_to": self.pad_to,
-                "bit_identical": self.bit_identical}
+                "bit_identical": self.bit_identical, "batch_attention": self.lean.batch_attention}
 
     @property
     def rows(self) -> str:
@@ -166,4 +191,33 @@ def probe_invariance(runner: LeanRunner, max_rows: int, context: int = 70) -> bo
             together = runner.forward(cache, ids[:, start:start + rows]).logits
             if not torch.equal(together, alone[:rows]):
                 return False
+    return True
+
+
+@torch.inference_mode()
+def probe_shared(runner: LeanRunner) -> bool:
+    """Whether parts of one shared forward, over caches of three lengths (within a key block and
+    across its edges) and with 1 to 3 rows each, in and out of slot order, give each part's
+    logits alone, bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    lengths, widths = (20, 70, 130), (1, 3, 2)
+    if sum(widths) > runner.shared_rows:  # a short verify: one row each, as many parts as fit
+        widths = (1,) * min(3, runner.shared_rows)
+        lengths = lengths[:len(widths)]
+    caches = [runner.new_cache() for _ in lengths]
+    if any(cache.pool is None for cache in caches):
+        return False
+    ids = [torch.randint(0, runner.lean.vocab, (1, n + w), generator=generator).to(runner.device)
+           for n, w in zip(lengths, widths, strict=True)]
+    alone = []
+    for cache, seq, n in zip(caches, ids, lengths, strict=True):
+        runner.forward(cache, seq[:, :n], last_only=True)
+        alone.append(runner.forward(cache, seq[:, n:]).logits)
+    for order in (tuple(range(len(lengths))), tuple(reversed(range(len(lengths))))):
+        for cache, n in zip(caches, lengths, strict=True):
+            runner.crop(cache, n)
+        together = runner.forward_many([(caches[j], ids[j][:, lengths[j]:]) for j in order])
+        if not all(torch.equal(out.logits, alone[j])
+                   for j, out in zip(order, together, strict=True)):
+            return False
     return True

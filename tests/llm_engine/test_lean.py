@@ -22,15 +22,17 @@ MAX_ROWS = 6  # K_max + 1 with max_draft_tokens 5
 LEAN_FORMATS = ["bfloat16", "int8", "q4"]
 
 
-def lean(target, fmt: str, attention: torch.dtype | None = None) -> LeanRunner:
+def lean(target, fmt: str, attention: torch.dtype | None = None,
+         cache_slots: int = 0) -> LeanRunner:
     return LeanRunner(target, fmt, max_cache_len=256, max_rows=MAX_ROWS,
-                      attention_dtype=attention)
+                      attention_dtype=attention, cache_slots=cache_slots)
 
 
-def invariant(target, fmt: str, attention: torch.dtype | None = None) -> LeanRunner:
+def invariant(target, fmt: str, attention: torch.dtype | None = None,
+              cache_slots: int = 0) -> LeanRunner:
     """The runner, where its rows are bit-identical here; else a visible skip (`auto` then never
     takes the format on this CPU, which the probe's own tests cover)."""
-    runner = lean(target, fmt, attention)
+    runner = lean(target, fmt, attention, cache_slots)
     if runner.bit_identical is False:
         pytest.skip(f"{fmt}: this CPU's kernels are row-dependent even padded ({cpu_model()})")
     return runner

@@ -1,6 +1,7 @@
 """Several requests' decode and verify rows in one target forward (`SpeculativeEngine.step_many`,
 `LeanRunner.forward_many`): each request gets what it would alone, bit for bit, on tiny random
-Llamas in the lean formats."""
+Llamas in the lean formats, with each request attending alone and with the pooled caches'
+requests attending in one product (`CachePool`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
+from llm_engine.lean.runner import LeanRunner, probe_shared
 from llm_engine.serving import EngineWorker
 from tests.llm_engine.requests import run
 from tests.llm_engine.test_engine import NEW_TOKENS, random_prompts
@@ -44,9 +47,33 @@ def step_together(engine: SpeculativeEngine, prompts, cancel_at: dict[int, int] 
     return tokens
 
 
+SLOTS = 4
+
+
+def pooled(target, fmt: str = "q4", attention: torch.dtype | None = None) -> LeanRunner:
+    """A runner with a cache pool whose runs attend in one product here; else a visible skip."""
+    runner = invariant(target, fmt, attention, cache_slots=SLOTS)
+    if not runner.lean.batch_attention:
+        pytest.skip(f"{fmt}: one product over the slots rounds differently on {cpu_model()}")
+    return runner
+
+
+def attending(runner: LeanRunner, runs: list[int]):
+    """Counts `_attend_run`'s parts per call into `runs`."""
+    attend_run = runner.lean._attend_run
+
+    def counted(i, run, *args):
+        runs.append(len(run.parts))
+        return attend_run(i, run, *args)
+    runner.lean._attend_run = counted
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["each-alone", "one-product"])
 @pytest.mark.parametrize("fmt", LEAN_FORMATS)
-def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, fmt):
-    runner = invariant(target, fmt)
+def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, fmt, pool):
+    runner = pooled(target, fmt) if pool else invariant(target, fmt)
+    runs: list[int] = []
+    attending(runner, runs)
     prompts = random_prompts(target.config.vocab_size, 3, seed=21)
     caches, steps = [], []
     with torch.inference_mode():
@@ -56,8 +83,10 @@ def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, 
             caches.append(cache)
             steps.append(torch.tensor([prompt[:1 + j]]))  # 1, 2 and 3 rows
         starts = [c.length for c in caches]
+        caches, steps = caches[::-1], steps[::-1]  # out of slot order
         together = runner.forward_many(list(zip(caches, steps, strict=True)))
-        for cache, start, ids, shared in zip(caches, starts, steps, together, strict=True):
+        assert runs == ([3] * target.config.num_hidden_layers if pool else [])
+        for cache, start, ids, shared in zip(caches, starts[::-1], steps, together, strict=True):
             assert cache.length == start + ids.shape[1]
             runner.crop(cache, start)
             alone = runner.forward(cache, ids)
@@ -65,9 +94,49 @@ def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, 
             assert torch.equal(shared.hidden, alone.hidden)
 
 
+def test_requests_past_the_pool_get_their_own_cache_and_attend_alone(target):
+    runner = pooled(target)
+    runs: list[int] = []
+    attending(runner, runs)
+    prompts = [(p * 8)[:31] for p in random_prompts(target.config.vocab_size, SLOTS + 1, seed=22)]
+    with torch.inference_mode():
+        caches = [runner.new_cache() for _ in prompts]
+        assert [c.slot for c in caches] == [*range(SLOTS), -1]
+        for cache, prompt in zip(caches, prompts, strict=True):
+            runner.forward(cache, torch.tensor([prompt[:30]]))
+        steps = [torch.tensor([prompt[30:]]) for prompt in prompts]
+        together = runner.forward_many(list(zip(caches, steps, strict=True)))
+        assert set(runs) == {SLOTS}  # the pooled four in one product, the fifth alone
+        for cache, ids, shared in zip(caches, steps, together, strict=True):
+            runner.crop(cache, 30)
+            assert torch.equal(shared.logits, runner.forward(cache, ids).logits)
+
+
+def test_the_probe_turns_the_one_product_off_where_it_changes_a_row(target):
+    runner = pooled(target)
+    assert probe_shared(runner)
+    attend_run = runner.lean._attend_run
+    runner.lean._attend_run = lambda *args: attend_run(*args) * (1 + 2 ** -7)  # one rounding off
+    assert not probe_shared(runner)
+
+
+def test_a_dropped_cache_gives_its_slot_back_zeroed(target):
+    runner = pooled(target)
+    pool = runner.lean.pool
+    with torch.inference_mode():
+        cache = runner.new_cache()
+        runner.forward(cache, torch.tensor([random_prompts(target.config.vocab_size, 1)[0] * 3]))
+        slot = cache.slot
+        assert pool.k[:, slot].abs().sum() > 0 and pool.free == SLOTS - 1
+        del cache
+        assert pool.free == SLOTS
+        assert not pool.k[:, slot].any() and not pool.v[:, slot].any()
+        assert runner.new_cache().slot == slot  # the lowest free slot again
+
+
 @pytest.mark.parametrize("method", ["off", "ngram"])
 def test_requests_stepped_together_decode_what_each_decodes_alone(target, tokenizer, method):
-    runner = invariant(target, "q4")
+    runner = pooled(target)
     eng = engine(target, tokenizer, runner, method)
     prompts = random_prompts(len(tokenizer), 4, seed=8)
     alone = [run(eng, p)[0] for p in prompts]
@@ -78,7 +147,7 @@ def test_requests_stepped_together_decode_what_each_decodes_alone(target, tokeni
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(target, tokenizer):
-    eng = engine(target, tokenizer, invariant(target, "q4"), "ngram")
+    eng = engine(target, tokenizer, pooled(target), "ngram")
     prompts = random_prompts(len(tokenizer), 3, seed=9)
     alone = [run(eng, p)[0] for p in prompts]
     got = step_together(eng, prompts, cancel_at={1: 4})
@@ -105,7 +174,7 @@ def test_one_requests_failure_in_a_shared_step_is_its_own(target, tokenizer):
 
 
 async def test_the_serving_worker_shares_forwards_between_live_requests(target, tokenizer):
-    eng = engine(target, tokenizer, invariant(target, "q4"), "off")
+    eng = engine(target, tokenizer, pooled(target), "off")
     prompts = random_prompts(len(tokenizer), 4, seed=12)
     alone = [run(eng, p)[0] for p in prompts]
     shared = []
