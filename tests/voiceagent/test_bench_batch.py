@@ -14,7 +14,7 @@ from voiceagent.bench.batch import aggregate_tok_s, decode_together, render, run
 
 @pytest.fixture(scope="module")
 def engine(tokenizer, model):
-    runner = LeanRunner(model, "q4", max_cache_len=256, max_rows=6)
+    runner = LeanRunner(model, "q4", max_cache_len=256, max_rows=6, cache_slots=4)
     if not runner.shared_rows:
         pytest.skip("this CPU's q4 kernels need whole forwards padded: nothing is shared")
     config = EngineConfig(sampling=SamplingConfig(max_new_tokens=12), max_context=256,
@@ -39,6 +39,8 @@ def test_the_batch_table_runs_each_mode_and_count_and_says_the_outputs_are_ident
     assert [(r["mode"], r["sessions"]) for r in rows] == \
         [("off", 1), ("off", 2), ("ngram", 1), ("ngram", 2)]
     assert all(r["identical"] for r in rows)
+    if engine.runner.lean.batch_attention:  # the pool's product beside each attending alone
+        assert [r["attend_alone_tok_s"] is not None for r in rows] == [False, True] * 2
     assert all(r["shared_vs_one_session"] == pytest.approx(
         r["shared_tok_s"] / next(o["shared_tok_s"] for o in rows
                                  if o["mode"] == r["mode"] and o["sessions"] == 1))

@@ -11,7 +11,9 @@ forwards). Each request is prefilled first; the figures are its decode phase:
 - per-session tok/s: each request's own decode rate (`RequestStats.tokens_per_s`), the median;
 - identical: every session's tokens in the shared run equal its tokens stepped one by one
   (each its own forward, as alone);
-- shared ÷ 1 session: against the same mode's one session of this run.
+- shared ÷ 1 session: against the same mode's one session of this run;
+- attending alone: the shared forward with each session attending over its cache in a product of
+  its own (the lean runner before its cache pool), where the runner attends in one product.
 
 With `--repeats N` each cell is the median of N runs of each way, taken in turn.
 """
@@ -41,10 +43,23 @@ def aggregate_tok_s(decoded_tokens: int, seconds: float) -> float:
     return decoded_tokens / seconds if seconds > 0 else 0.0
 
 
+def one_product(engine: SpeculativeEngine) -> bool:
+    """Whether the engine's shared forwards attend over the pooled caches in one product."""
+    return bool(getattr(getattr(engine.runner, "lean", None), "batch_attention", False))
+
+
 def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
-                    sampling: SamplingConfig, method: str, shared: bool) -> dict:
+                    sampling: SamplingConfig, method: str, shared: bool,
+                    attend_alone: bool = False) -> dict:
     """The prompts as live requests to their end; `shared`: stepped with `step_many`, else one
-    `step` each in turn (the worker before shared forwards)."""
+    `step` each in turn (the worker before shared forwards); `attend_alone`: a shared forward's
+    requests attend each in a product of its own."""
+    if attend_alone:
+        engine.runner.lean.batch_attention = False
+        try:
+            return decode_together(engine, prompts, sampling, method, shared)
+        finally:
+            engine.runner.lean.batch_attention = True
     states = [engine.start(p, sampling, method=method) for p in prompts]
     while not all(s.prefilled or s.finished for s in states):
         for state in states:
@@ -74,6 +89,7 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
     """A row per mode and number of sessions; with `repeats`, both ways are run that many times,
     alternating, and each rate is the median of its runs (a shared machine drifts)."""
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
+    pooled = one_product(engine)
     rows = []
     for mode in modes:
         for sessions in sizes:
@@ -81,18 +97,25 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
             say(f"batch: {mode}, {sessions} session(s)")
             decode_together(engine, chosen[:1], sampling, mode, shared=True)  # warm this mode
             runs = [(decode_together(engine, chosen, sampling, mode, shared=False),
-                     decode_together(engine, chosen, sampling, mode, shared=True))
+                     decode_together(engine, chosen, sampling, mode, shared=True),
+                     decode_together(engine, chosen, sampling, mode, shared=True,
+                                     attend_alone=True) if pooled and sessions > 1 else None)
                     for _ in range(max(1, repeats))]
-            per_session = [t for _, together in runs for t in together["session_tok_s"]
+            per_session = [t for _, together, _ in runs for t in together["session_tok_s"]
                            if t is not None]
+            alone = [c for _, _, c in runs if c is not None]
             rows.append({
                 "mode": mode,
                 "sessions": sessions,
                 "repeats": len(runs),
-                "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _ in runs),
-                "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b in runs),
+                "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _, _ in runs),
+                "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b, _ in runs),
+                "attend_alone_tok_s": statistics.median(c["aggregate_tok_s"] for c in alone)
+                if alone else None,
                 "session_tok_s_p50": statistics.median(per_session) if per_session else None,
-                "identical": all(b["outputs"] == a["outputs"] for a, b in runs),
+                "identical": all(b["outputs"] == a["outputs"] and (c is None or
+                                                                   c["outputs"] == a["outputs"])
+                                 for a, b, c in runs),
             })
     for row in rows:  # against one session of the same mode, measured in this run
         one = next((r for r in rows if r["mode"] == row["mode"] and r["sessions"] == 1), None)
@@ -106,13 +129,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def render(rows: list[dict], header: list[str]) -> str:
     lines = [*header, "",
-             "| mode | sessions | one by one, tok/s | shared forward, tok/s | shared ÷ one by one "
+             "| mode | sessions | one by one, tok/s | shared forward, attending alone, tok/s "
+             "| shared forward, tok/s | shared ÷ one by one "
              "| shared ÷ 1 session | per-session tok/s p50 | identical |",
-             "| --- | --: | --: | --: | --: | --: | --: | --- |"]
+             "| --- | --: | --: | --: | --: | --: | --: | --: | --- |"]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['sessions']} | {fmt(r['one_by_one_tok_s'], 1)} | "
-            f"{fmt(r['shared_tok_s'], 1)} | "
+            f"{fmt(r.get('attend_alone_tok_s'), 1)} | {fmt(r['shared_tok_s'], 1)} | "
             f"{fmt(_ratio(r['shared_tok_s'], r['one_by_one_tok_s']), 2, 'x')} | "
             f"{fmt(r['shared_vs_one_session'], 2, 'x')} | {fmt(r['session_tok_s_p50'], 1)} | "
             f"{'yes' if r['identical'] else '**no**'} |")
@@ -139,13 +163,15 @@ def run_batch_bench(cfg: Config, args) -> int:
     rows = run_batch(engine, prompts, sizes, modes, args.max_new_tokens or 64,
                      repeats=args.repeats)
     machine = {**machine_info(engine.device), "load_avg_1m_at_start": load_at_start}
+    attends = "over pooled caches in one product" if one_product(engine) else "alone"
     header = [
         f"# Engine, sessions at once ({started:%Y-%m-%d %H:%M} UTC)", "",
         f"- CPU: {machine['cpu']}, {machine['cpu_count']} cores, torch threads "
         f"{machine['torch_threads']}; load {load_at_start:.1f} at start, "
         f"{machine['load_avg_1m']:.1f} at end",
         f"- target {cfg.engine.target}, format {engine.runner.format} ({engine.runner.name} "
-        f"runner, shares forwards of up to {engine.runner.shared_rows} rows), greedy, "
+        f"runner, shares forwards of up to {engine.runner.shared_rows} rows, "
+        f"each session attending {attends}), greedy, "
         f"{args.max_new_tokens or 64} new tokens a session; each rate the median of "
         f"{max(1, args.repeats)} run(s) of each way, alternating",
     ]
