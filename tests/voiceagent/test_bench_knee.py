@@ -35,3 +35,14 @@ def test_comparing_shared_forwards_runs_each_method_both_ways():
     assert variants(["off", "ngram"], False) == [("off", "off", True), ("ngram", "ngram", True)]
     assert variants(["off"], True) == [("off (forward each)", "off", False),
                                        ("off (shared forward)", "off", True)]
+
+
+def test_a_level_shows_each_stages_median_over_its_turns():
+    turns = [make_turn("a", 1), make_turn("b", 1)]
+    turns[1].breakdown.asr_final_ms = 350.0  # a final that waited behind another caller's
+    got = level("off", 2, ["done", "done"], [[turns[0]], [turns[1]]], 1500.0)
+    assert got["breakdown_p50_ms"]["asr_final_ms"] == 250.0  # (150 + 350) / 2
+    assert got["breakdown_p50_ms"]["prefill_ms"] == 90.0
+    table = render_knee({"threshold_ms": 1500.0, "max_calls": 2, "turns": 1, "levels": [got],
+                         "knee": {"off": 2}})
+    assert "| off | 2 | 300 | 250 |" in table  # hangover, then the ASR final

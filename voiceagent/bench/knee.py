@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 
 from voiceagent.config import Config
+from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.figures import fmt, percentile
 from voiceagent.logs import progress_bar
 from voiceagent.server.serve import serving_in_process
@@ -100,6 +101,9 @@ def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: f
         "clock3_p50_ms": percentile([c for c in clock3 if c is not None], 50),
         "clock3_p95_ms": percentile([c for c in clock3 if c is not None], 95),
         "itl_p95_ms": percentile(itl95, 95),
+        # where the wait went: each stage's p50 over the level's turns (the dashboard's figure)
+        "breakdown_p50_ms": summarise([t.to_dict() for turns in calls
+                                       for t in turns])["breakdown_p50_ms"],
     }
 
 
@@ -126,6 +130,15 @@ def render_knee(r: dict) -> str:
         lines.append(f"| {lv['method']} | {lv['callers']} | {lv['admitted']} | {lv['refused']} | "
                      f"{lv['failed']} | {ms(lv['clock3_p50_ms'])} | {ms(lv['clock3_p95_ms'])} | "
                      f"{ms(lv['itl_p95_ms'])} | {lv['within']}/{lv['admitted']} |")
+    stages = [k for k in BREAKDOWN
+              if any(lv.get("breakdown_p50_ms", {}).get(k) is not None for lv in r["levels"])]
+    lines += ["", "Where clock 3 went, each stage's p50 (ms):", "",
+              "| method | callers at once | " + " | ".join(s.removesuffix("_ms") for s in stages)
+              + " |", "|---|--:|" + "--:|" * len(stages)]
+    for lv in r["levels"]:
+        got = lv.get("breakdown_p50_ms", {})
+        lines.append(f"| {lv['method']} | {lv['callers']} | "
+                     + " | ".join(ms(got.get(k)) for k in stages) + " |")
     lines += ["", "Knee (most calls served at once with ≥ "
               f"{KEEP_SHARE:.0%} of conversations within the threshold): "
               + ", ".join(f"{m} {k}" for m, k in r["knee"].items())]
