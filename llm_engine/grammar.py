@@ -125,7 +125,7 @@ def _canonical_json(schema: dict) -> str:
 
 def _tools_tag(spec: GrammarSpec) -> StructuralTag:
     """Free text until `<tool_call>` (none when the call is required), then one call of a listed
-    tool, then only EOS."""
+    tool, then only EOS. The free text never holds `spec.exclude`."""
     tags = []
     for function in tool_functions(spec):
         params = function.get("parameters") or {"type": "object", "properties": {}}
@@ -137,7 +137,7 @@ def _tools_tag(spec: GrammarSpec) -> StructuralTag:
     if spec.tool_choice == "required":
         return StructuralTag(format=OrFormat(elements=tags))
     return StructuralTag(format=TriggeredTagsFormat(
-        triggers=[TOOL_CALL_BEGIN], tags=tags, stop_after_first=True))
+        triggers=[TOOL_CALL_BEGIN], tags=tags, stop_after_first=True, excludes=spec.exclude))
 
 
 def _key(spec: GrammarSpec) -> str:

@@ -230,3 +230,16 @@ def test_tool_choice_none_answers_in_text_without_a_call_or_the_excluded(
     tokens, _ = run(engines["grammar+ngram"], tokenizer.encode("lookup"), sampling)
     text = decode(tokenizer, tokens)
     assert text and not set(text) & {"{", "<"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tool_choice_auto_with_an_exclusion_keeps_it_out_of_the_words_but_not_the_call(
+        engines, tokenizer, seed):
+    spec = GrammarSpec(kind="tools", tools=[ORDER], tool_choice="auto", exclude=["{"])
+    sampling = SamplingConfig(temperature=3.0, seed=seed, max_new_tokens=64, grammar=spec)
+    tokens, state = run(engines["grammar+ngram"], tokenizer.encode("lookup"), sampling)
+    text = decode(tokenizer, tokens)
+    words, _, call = text.partition("<tool_call>")
+    assert "{" not in words
+    if call and state.finish_reason == "eos":
+        assert parse_tool_call(text)["name"] == ORDER["function"]["name"]

@@ -334,6 +334,17 @@ async def test_a_call_is_drafted_through_the_grammar_whatever_the_calls_method(
 # -- the tool policy ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("words", ["Hello there.", "What can you do for me?"])
+def test_a_reply_that_may_call_a_tool_never_writes_a_calls_json_as_words(words):
+    policy = ToolPolicy(TOOLS, max_calls=2)
+    called = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}
+    result = {"role": "tool", "tool_call_id": "c", "content": "{}"}
+    asked = [{"role": "user", "content": words}]
+    for messages in (asked, [*asked, called, result]):
+        use = policy.for_messages(messages)  # words or a call: nothing triggered, none made
+        assert use.choice == "auto" and "{" in use.grammar().exclude
+
+
 @pytest.mark.parametrize("words", ["Hello there.", "Where is my order 48213?",
                                    "A slow order, and then bye.", "peek broken slow order bye"])
 def test_every_tool_use_the_policy_decides_is_one_it_lists_for_start_up(words):

@@ -50,7 +50,7 @@ class ToolUse:
     tools: list[dict]  # OpenAI function tools
     required: tuple[str, ...] = ()
     allowed: bool = True  # False: the reply must not call any (the turn's calls are used up)
-    exclude: tuple[str, ...] = ()  # ... nor write these (in-process engine only)
+    exclude: tuple[str, ...] = ()  # its words never hold these (in-process engine only)
 
     def choices(self) -> list[dict]:
         """The tools the reply may call."""
@@ -65,7 +65,7 @@ class ToolUse:
     def grammar(self) -> GrammarSpec:
         """The engine's grammar for the reply (`llm_engine.grammar`)."""
         return GrammarSpec(kind="tools", tools=self.choices(), tool_choice=self.choice,
-                           exclude=list(self.exclude if not self.allowed else ()))
+                           exclude=list(self.exclude))
 
 
 class ChatBackend(Protocol):

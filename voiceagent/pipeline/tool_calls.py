@@ -33,8 +33,11 @@ from voiceagent.tools import Tool, ToolResult
 if TYPE_CHECKING:
     from voiceagent.pipeline.llm_service import ChatLLMService
 
-# A spoken reply has no markup; a small model answering a tool's result copies the call's.
+# A spoken reply has no markup. A small model answering a tool's result copies the call's, and
+# one that may call writes a call's JSON as words ("You can call this service: {"name": ...").
+# Where a call may follow, only "{": the call itself begins with "<".
 _MARKUP = ("<", "{")
+_CALL_IN_WORDS = ("{",)
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,13 @@ class ToolPolicy:
 
     def first(self, words: str) -> ToolUse:
         """The turn's first request, on the caller's words."""
-        return ToolUse(self.schemas, tuple(t.name for t in self.tools if t.triggered_by(words)))
+        required = tuple(t.name for t in self.tools if t.triggered_by(words))
+        return ToolUse(self.schemas, required) if required else self.after(0)
 
     def after(self, calls: int) -> ToolUse:
         """A request after the turn's `calls` tool calls and their results."""
         if calls < self.max_calls:
-            return ToolUse(self.schemas)
+            return ToolUse(self.schemas, exclude=_CALL_IN_WORDS)
         return ToolUse(self.schemas, allowed=False, exclude=_MARKUP)
 
     def for_messages(self, messages: list[dict[str, Any]]) -> ToolUse | None:
