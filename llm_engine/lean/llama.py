@@ -141,7 +141,7 @@ class CachePool:
             slot = min(self._free)
             self._free.remove(slot)
         cache = LeanCache(self.k[:, slot], self.v[:, slot], pool=self, slot=slot)
-        weakref.finalize(cache, self._give_back, slot)
+        weakref.finalize(cache, self._give_back, slot).atexit = False  # no zeroing at exit
         return cache
 
     def wrote(self, slot: int, end: int) -> None:

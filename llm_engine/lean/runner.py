@@ -125,6 +125,8 @@ class LeanRunner(TargetRunner):
         copy.k[:, :, :length] = cache.k[:, :, :length]
         copy.v[:, :, :length] = cache.v[:, :, :length]
         copy.length = length
+        if copy.pool is not None:
+            copy.pool.wrote(copy.slot, length)
         return copy
 
     def length(self, cache: LeanCache) -> int:

@@ -132,6 +132,14 @@ def test_a_dropped_cache_gives_its_slot_back_zeroed(target):
         assert pool.free == SLOTS
         assert not pool.k[:, slot].any() and not pool.v[:, slot].any()
         assert runner.new_cache().slot == slot  # the lowest free slot again
+        kept = runner.new_cache()
+        runner.forward(kept, torch.tensor([random_prompts(target.config.vocab_size, 1)[0] * 3]))
+        prefix = runner.copy_prefix(kept, kept.length, compact=True)  # a kept prefix: no slot
+        del kept
+        copied = runner.copy_prefix(prefix, prefix.length)  # a session starting from it
+        assert prefix.pool is None and copied.slot == slot
+        del copied
+        assert not pool.k[:, slot].any() and not pool.v[:, slot].any()
 
 
 @pytest.mark.parametrize("method", ["off", "ngram"])

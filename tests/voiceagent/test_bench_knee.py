@@ -3,7 +3,12 @@ conversations within the threshold; refused callers count neither against it nor
 
 from __future__ import annotations
 
+import numpy as np
+
+from tests.audio.speech import speech
+from tests.voiceagent.serving import server_config, serving, twilio_url
 from tests.voiceagent.turns import make_turn
+from voiceagent.bench.callers import call_from_another_process
 from voiceagent.bench.knee import knee_of, level, render_knee, variants
 
 
@@ -46,3 +51,14 @@ def test_a_level_shows_each_stages_median_over_its_turns():
     table = render_knee({"threshold_ms": 1500.0, "max_calls": 2, "turns": 1, "levels": [got],
                          "knee": {"off": 2}})
     assert "| off | 2 | 300 | 250 |" in table  # hangover, then the ASR final
+
+
+async def test_the_callers_process_holds_a_conversation_with_the_server(tmp_path, models):
+    clip = tmp_path / "0.npy"
+    np.save(clip, speech("What is the capital of France?"))
+    async with serving(server_config(tmp_path), models) as (app, base):
+        outcomes = await call_from_another_process(twilio_url(base), [clip], 1, 0)
+        await app.state.server.calls.wait_idle()
+        [turns] = app.state.server.records.by_call.values()
+    assert outcomes == ["done"]
+    assert turns[0].user_text.startswith("What is the capital")

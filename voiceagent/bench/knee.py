@@ -1,7 +1,8 @@
 """`voiceagent bench serve --knee`: the capacity knee: how many calls at once before latency bends.
 
-1, 2, 3 ... N simulated Twilio callers at once, speculation off and on, each a conversation of
-`turns` questions at real-time pace, started a little apart as real callers are. Per N: clock 3
+1, 2, 3 ... N simulated Twilio callers at once (from a process of their own, `callers.py`),
+speculation off and on, each a conversation of `turns` questions at real-time pace, started a
+little apart as real callers are. Per N: clock 3
 p50/p95, ITL p95, calls refused by the admission limit (`server.max_calls`, close 1013), and how
 many conversations stayed within the latency threshold (every turn's clock 3 under it). The knee
 is the most calls the server ran at once with at least `KEEP_SHARE` of them within it: callers it
@@ -11,37 +12,20 @@ to find where the machine bends.
 
 from __future__ import annotations
 
-import asyncio
+import tempfile
+from pathlib import Path
 
+import numpy as np
+
+from voiceagent.bench.callers import call_from_another_process
 from voiceagent.config import Config
 from voiceagent.dashboard.stats import BREAKDOWN, summarise
 from voiceagent.figures import fmt, percentile
 from voiceagent.logs import progress_bar
 from voiceagent.server.serve import serving_in_process
-from voiceagent.sim.twilio_caller import TwilioCaller
 
 KEEP_SHARE = 0.9
 STAGGER_S = 0.3  # between callers' starts
-REPLY_TIMEOUT_S = 120
-
-
-async def conversation(url: str, audio: list, offset_s: float) -> str:
-    """One caller: 'done', 'refused' (1013) or 'failed' (no reply in time)."""
-    await asyncio.sleep(offset_s)
-    async with TwilioCaller(url) as caller:
-        await caller.start()
-        await asyncio.sleep(0.5)
-        for speech in audio:
-            said = await caller.say(speech)
-            replied = await caller.wait(lambda r, t=said.ended: r.media_after(t) is not None
-                                        or r.close_code is not None, REPLY_TIMEOUT_S)
-            if caller.received.close_code == 1013:
-                return "refused"
-            if not replied or caller.received.close_code is not None:
-                return "failed"
-            await caller.wait(lambda r, t=said.ended: any(m >= t for m, _ in r.marks), 30)
-        await caller.hang_up()
-    return "done"
 
 
 def variants(methods: list[str], compare_shared: bool) -> list[tuple[str, str, bool]]:
@@ -56,6 +40,16 @@ def variants(methods: list[str], compare_shared: bool) -> list[tuple[str, str, b
 
 async def knee(cfg: Config, shared, audio: list, callers: list[int],
                runs: list[tuple[str, str, bool]], threshold_ms: float, say) -> dict:
+    with tempfile.TemporaryDirectory(prefix="knee-") as tmp:
+        clips = []
+        for i, speech in enumerate(audio):  # the callers' process reads them
+            clips.append(Path(tmp) / f"{i}.npy")
+            np.save(clips[-1], speech)
+        return await _knee(cfg, shared, clips, callers, runs, threshold_ms, say)
+
+
+async def _knee(cfg: Config, shared, audio: list[Path], callers: list[int],
+                runs: list[tuple[str, str, bool]], threshold_ms: float, say) -> dict:
     levels = []
     bar = progress_bar(len(runs) * len(callers), "bench serve --knee", "level")
     engine = shared.worker.engine if shared.worker is not None else None
@@ -68,15 +62,14 @@ async def knee(cfg: Config, shared, audio: list, callers: list[int],
         async with serving_in_process(run_cfg, shared) as (app, base):
             url = base.replace("http://", "ws://") + "/telephony/twilio"
             records = app.state.server.records
-            await conversation(url, audio[:1], 0)  # warm-up, not counted
+            await call_from_another_process(url, audio[:1], 1, 0)  # warm-up, not counted
             # a call's slot is free once its pipeline has ended: no level is refused for the
             # calls before it, and each level's records are complete
             await app.state.server.calls.wait_idle()
             for n in callers:
                 say(f"knee: {label}, {n} caller(s) at once")
                 before = set(records.by_call)
-                outcomes = await asyncio.gather(*(
-                    conversation(url, audio, i * STAGGER_S) for i in range(n)))
+                outcomes = await call_from_another_process(url, audio, n, STAGGER_S)
                 await app.state.server.calls.wait_idle()
                 calls = [records.by_call[c] for c in records.by_call if c not in before]
                 levels.append(level(label, n, outcomes, calls, threshold_ms))
