@@ -197,11 +197,12 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
         gguf = Path(target.source) if target.gguf_file else None
         max_rows = engine_cfg.speculation.max_draft_tokens + 1
         attention = _attention_dtype(model, fmt, max_rows, measurements)
+        slots = engine_cfg.kv_pool_slots if engine_cfg.shared_forwards else 0
         key = {**cost_model.machine_key(next(model.parameters()).device), "part": "invariance",
                "target": cost_model.model_key(model), "file": target.file_sha256, "format": fmt,
-               "attention": str(attention), "max_rows": max_rows, "probes": 2}
+               "attention": str(attention), "max_rows": max_rows, "probes": 2,
+               "pool_slots": slots, "max_context": engine_cfg.max_context}
         probed = measurements.load_record(key) if measurements else None
-        slots = engine_cfg.kv_pool_slots if engine_cfg.shared_forwards else 0
         runner = LeanRunner(model, fmt, engine_cfg.max_context, max_rows, gguf,
                             attention_dtype=attention, probed=probed, cache_slots=slots)
         if measurements and probed is None:

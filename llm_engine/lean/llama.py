@@ -114,9 +114,10 @@ class CachePool:
     values alike), so that a shared forward attends over the caches of requests in consecutive
     slots with one batched product per layer (`LeanLlama._attend_run`) instead of one per request.
 
-    A slot is taken by `take` and given back when its cache is dropped, zeroed where it was
-    written: a masked key's value must be finite, and no call sees another's numbers. On a CPU the
-    block is calloc'd, so only the positions a slot has written take memory."""
+    A slot is taken by `take` and given back when its cache is dropped. It is zeroed where it was
+    written before it is handed out again, on the thread that takes it (the engine's worker, not
+    the event loop that may drop a session): a masked key's value must be finite, and no call sees
+    another's numbers. On a CPU the block is calloc'd, so only the positions written take memory."""
 
     def __init__(self, lean: LeanLlama, slots: int, max_len: int):
         shape = (2, len(lean.layers), slots, lean.kv_heads, max_len, lean.head_dim)
@@ -128,10 +129,11 @@ class CachePool:
         else:
             both = torch.zeros(shape, dtype=dtype, device=device)
         self.k, self.v = both[0], both[1]
-        self.max_len = max_len
+        self.slots, self.max_len = slots, max_len
         self._free = list(range(slots))
         self._written = [0] * slots  # per slot, the positions written since it was zeroed
-        self._lock = threading.Lock()
+        # Re-entrant: a collection inside `take` may run a dropped cache's `_give_back`.
+        self._lock = threading.RLock()
 
     def take(self) -> LeanCache | None:
         """A cache in the lowest free slot (requests then sit side by side), or None when full."""
@@ -140,20 +142,19 @@ class CachePool:
                 return None
             slot = min(self._free)
             self._free.remove(slot)
+            end, self._written[slot] = self._written[slot], 0
+        if end:
+            self.k[:, slot, :, :end].zero_()
+            self.v[:, slot, :, :end].zero_()
         cache = LeanCache(self.k[:, slot], self.v[:, slot], pool=self, slot=slot)
-        weakref.finalize(cache, self._give_back, slot).atexit = False  # no zeroing at exit
+        weakref.finalize(cache, self._give_back, slot).atexit = False
         return cache
 
     def wrote(self, slot: int, end: int) -> None:
         self._written[slot] = max(self._written[slot], end)
 
     def _give_back(self, slot: int) -> None:
-        end = self._written[slot]
-        if end:
-            self.k[:, slot, :, :end].zero_()
-            self.v[:, slot, :, :end].zero_()
         with self._lock:
-            self._written[slot] = 0
             self._free.append(slot)
 
     @property
@@ -194,7 +195,7 @@ class _Run:
     queries: torch.Tensor  # [slots * width] the forward's row each padded query row takes
     outputs: torch.Tensor  # [rows] each part row's place among the padded rows
     rows: torch.Tensor  # [rows] where those rows go in the forward
-    bias: torch.Tensor  # [slots * kv_heads, width * groups, keys]
+    bias: torch.Tensor  # [slots, 1, width * groups, keys], the same for every key head
 
 
 class _Layer(nn.Module):
@@ -416,10 +417,9 @@ class LeanLlama(nn.Module):
             seen = torch.cat([seen, seen[-1:].expand(width - n, -1)])
             masks.append(torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
                          .repeat_interleave(self.heads // self.kv_heads, dim=0))
-        bias = torch.stack(masks)[:, None].expand(-1, self.kv_heads, -1, -1)
         index = lambda values: torch.tensor(values, device=device)  # noqa: E731
         return _Run(parts, width, keys, index(queries), index(outputs), index(rows),
-                    bias.reshape(len(parts) * self.kv_heads, *bias.shape[2:]))
+                    torch.stack(masks)[:, None])
 
     def _attend_run(self, i: int, run: _Run, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> torch.Tensor:
@@ -437,7 +437,8 @@ class LeanLlama(nn.Module):
         grouped = q.index_select(0, run.queries).view(slots, run.width, self.kv_heads, groups, dim)
         grouped = grouped.permute(0, 2, 1, 3, 4).reshape(slots * self.kv_heads, -1, dim)
         scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * dim ** -0.5
-        probs = torch.softmax(scores + run.bias, dim=-1).to(q.dtype)
+        scores = scores.view(slots, self.kv_heads, *scores.shape[1:]) + run.bias
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).flatten(0, 1)
         out = torch.bmm(probs, values).view(slots, self.kv_heads, run.width, groups, dim)
         out = out.permute(0, 2, 1, 3, 4).reshape(slots * run.width, self.heads * dim)
         return out.index_select(0, run.outputs)

@@ -198,26 +198,31 @@ def probe_invariance(runner: LeanRunner, max_rows: int, context: int = 70) -> bo
 
 @torch.inference_mode()
 def probe_shared(runner: LeanRunner) -> bool:
-    """Whether parts of one shared forward, over caches of three lengths (within a key block and
-    across its edges) and with 1 to 3 rows each, in and out of slot order, give each part's
-    logits alone, bit for bit."""
-    generator = torch.Generator().manual_seed(1)
-    lengths, widths = (20, 70, 130), (1, 3, 2)
-    if sum(widths) > runner.shared_rows:  # a short verify: one row each, as many parts as fit
-        widths = (1,) * min(3, runner.shared_rows)
-        lengths = lengths[:len(widths)]
-    caches = [runner.new_cache() for _ in lengths]
-    if any(cache.pool is None for cache in caches):
+    """Whether the parts of a shared forward give each part's logits alone, bit for bit, over
+    every slot of the pool at once (the most a run holds), over the first two (the least), and out
+    of slot order: caches of 20 positions up to the longest a cache takes, with 1 to 3 rows
+    each, as many rows as a forward shares."""
+    pool = runner.lean.pool
+    parts = min(pool.slots, runner.shared_rows)
+    caches = [runner.new_cache() for _ in range(parts)]
+    if parts < 2 or any(cache.pool is not pool for cache in caches):
         return False
+    # short ones in a few key blocks, and the longest a cache takes: every part attends over its
+    # keys (prefilling long ones for each part would cost seconds more at a machine's first load)
+    lengths = [20 + 60 * j for j in range(parts - 1)] + [runner.max_cache_len - ROWS]
+    widths = [1, 3, 2, *[1] * parts][:parts]
+    while sum(widths) > runner.shared_rows:
+        widths[widths.index(max(widths))] -= 1
+    generator = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, runner.lean.vocab, (1, n + w), generator=generator).to(runner.device)
            for n, w in zip(lengths, widths, strict=True)]
     alone = []
     for cache, seq, n in zip(caches, ids, lengths, strict=True):
         runner.forward(cache, seq[:, :n], last_only=True)
         alone.append(runner.forward(cache, seq[:, n:]).logits)
-    for order in (tuple(range(len(lengths))), tuple(reversed(range(len(lengths))))):
-        for cache, n in zip(caches, lengths, strict=True):
-            runner.crop(cache, n)
+    for order in (list(range(parts)), list(reversed(range(parts))), [0, 1]):
+        for j in order:
+            runner.crop(caches[j], lengths[j])
         together = runner.forward_many([(caches[j], ids[j][:, lengths[j]:]) for j in order])
         if not all(torch.equal(out.logits, alone[j])
                    for j, out in zip(order, together, strict=True)):

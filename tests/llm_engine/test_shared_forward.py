@@ -130,8 +130,10 @@ def test_a_dropped_cache_gives_its_slot_back_zeroed(target):
         assert pool.k[:, slot].abs().sum() > 0 and pool.free == SLOTS - 1
         del cache
         assert pool.free == SLOTS
+        again = runner.new_cache()
+        assert again.slot == slot  # the lowest free slot, zeroed as it is taken
         assert not pool.k[:, slot].any() and not pool.v[:, slot].any()
-        assert runner.new_cache().slot == slot  # the lowest free slot again
+        del again
         kept = runner.new_cache()
         runner.forward(kept, torch.tensor([random_prompts(target.config.vocab_size, 1)[0] * 3]))
         prefix = runner.copy_prefix(kept, kept.length, compact=True)  # a kept prefix: no slot
@@ -139,6 +141,7 @@ def test_a_dropped_cache_gives_its_slot_back_zeroed(target):
         copied = runner.copy_prefix(prefix, prefix.length)  # a session starting from it
         assert prefix.pool is None and copied.slot == slot
         del copied
+        assert runner.new_cache().slot == slot
         assert not pool.k[:, slot].any() and not pool.v[:, slot].any()
 
 

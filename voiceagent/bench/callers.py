@@ -51,11 +51,16 @@ async def call_from_another_process(url: str, audio: list[Path], callers: int,
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "voiceagent.bench.callers", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await child.communicate(json.dumps(job).encode())
-    if child.returncode:
+    try:
+        out, err = await child.communicate(json.dumps(job).encode())
+    finally:
+        if child.returncode is None:  # the bench was stopped: so are its callers
+            child.kill()
+    lines = out.decode().strip().splitlines()
+    if child.returncode or not lines:
         raise RuntimeError(f"the callers' process exited {child.returncode}: "
                            f"{err.decode(errors='replace')[-2000:]}")
-    return json.loads(out.decode().strip().splitlines()[-1])
+    return json.loads(lines[-1])
 
 
 async def _run(job: dict) -> list[str]:
