@@ -209,7 +209,8 @@ def probe_shared(runner: LeanRunner) -> bool:
         return False
     # short ones in a few key blocks, and the longest a cache takes: every part attends over its
     # keys (prefilling long ones for each part would cost seconds more at a machine's first load)
-    lengths = [20 + 60 * j for j in range(parts - 1)] + [runner.max_cache_len - ROWS]
+    longest = runner.max_cache_len - ROWS
+    lengths = [min(20 + 60 * j, longest // 2) for j in range(parts - 1)] + [longest]
     widths = [1, 3, 2, *[1] * parts][:parts]
     while sum(widths) > runner.shared_rows:
         widths[widths.index(max(widths))] -= 1
