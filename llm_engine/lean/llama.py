@@ -33,6 +33,11 @@ ROWS = 16
 KEY_BLOCK = 64
 
 
+def whole_key_blocks(positions: int) -> int:
+    """`positions` rounded up to whole key blocks."""
+    return -(-positions // KEY_BLOCK) * KEY_BLOCK
+
+
 def supports(model: nn.Module) -> str | None:
     """None when the lean forward can run this model, else why not."""
     config = getattr(model, "config", None)
@@ -170,7 +175,7 @@ class _Part:
     cache: LeanCache
     rows: slice  # its rows in the forward
     positions: torch.Tensor  # [n]
-    visible: torch.Tensor  # [n (+ pad), keys] bool
+    visible: torch.Tensor  # [n, keys] bool
     pad: int  # its queries padded by this many rows (`attention_rows`)
     bias: torch.Tensor | None  # the short path's additive mask; None: SDPA (prefill)
     # every layer's cache slots for its rows, and the keys and values it attends over
@@ -293,7 +298,7 @@ class LeanLlama(nn.Module):
     def new_cache(self, max_len: int) -> LeanCache:
         """A cache of max_len positions: a free slot of the pool where it has one that long."""
         # whole key blocks, so that a row near the end attends over a block too
-        max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
+        max_len = whole_key_blocks(max_len)
         if self.pool is not None and self.pool.max_len == max_len:
             cache = self.pool.take()
             if cache is not None:
@@ -374,20 +379,23 @@ class LeanLlama(nn.Module):
         n = rows.stop - rows.start
         positions = torch.arange(start, start + n, device=device)
         short = n <= ROWS
-        keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK if short else start + n
+        keys = whole_key_blocks(start + n) if short else start + n
         visible = torch.arange(keys, device=device)[None, :] <= positions[:, None]
         pad = max(self.attention_rows - n, 0) if short else 0  # queries padded to a least count
-        bias = None
-        if short:  # one row per (query head, position), grouped by key head: [rows * groups, keys]
-            if pad:
-                visible = torch.cat([visible, visible[-1:].expand(pad, -1)])
-            bias = torch.zeros(visible.shape, device=device).masked_fill_(
-                ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
+        bias = self._mask(visible, n + pad) if short else None
         if cache.pool is not None:
             cache.pool.wrote(cache.slot, start + n)
         return _Part(cache, rows, positions, visible, pad, bias,
                      cache.k[:, :, start:start + n], cache.v[:, :, start:start + n],
                      cache.k[:, :, :keys], cache.v[:, :, :keys])
+
+    def _mask(self, visible: torch.Tensor, rows: int) -> torch.Tensor:
+        """The additive mask of `visible` [n, keys], its last row repeated to `rows` rows (the
+        padded queries), one row per (query, head) of a key head: [rows * groups, keys]."""
+        if rows > visible.shape[0]:
+            visible = torch.cat([visible, visible[-1:].expand(rows - visible.shape[0], -1)])
+        return torch.zeros(visible.shape, device=visible.device).masked_fill_(
+            ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
 
     def _runs(self, plans: list[_Part]) -> list[_Run]:
         """The forward's short parts in consecutive slots of the pool, two or more to a run."""
@@ -413,10 +421,8 @@ class LeanLlama(nn.Module):
             queries += [start + min(r, n - 1) for r in range(width)]
             outputs += [j * width + r for r in range(n)]
             rows += range(start, start + n)
-            seen = torch.arange(keys, device=device)[None, :] <= part.positions[:, None]
-            seen = torch.cat([seen, seen[-1:].expand(width - n, -1)])
-            masks.append(torch.zeros(seen.shape, device=device).masked_fill_(~seen, float("-inf"))
-                         .repeat_interleave(self.heads // self.kv_heads, dim=0))
+            masks.append(self._mask(
+                torch.arange(keys, device=device)[None, :] <= part.positions[:, None], width))
         index = lambda values: torch.tensor(values, device=device)  # noqa: E731
         return _Run(parts, width, keys, index(queries), index(outputs), index(rows),
                     torch.stack(masks)[:, None])

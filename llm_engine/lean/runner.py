@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llm_engine.lean.llama import KEY_BLOCK, ROWS, CachePool, LeanCache, LeanLlama
+from llm_engine.lean.llama import ROWS, CachePool, LeanCache, LeanLlama, whole_key_blocks
 from llm_engine.runner import Forward, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,7 @@ class LeanRunner(TargetRunner):
         attends in one product (None: probe it)."""
         if slots < 2 or not self.shared_rows:
             return
-        length = -(-self.max_cache_len // KEY_BLOCK) * KEY_BLOCK  # as `LeanLlama.new_cache`
-        self.lean.pool = CachePool(self.lean, slots, length)
+        self.lean.pool = CachePool(self.lean, slots, whole_key_blocks(self.max_cache_len))
         if batch_attention is None:
             self.lean.batch_attention = True
             batch_attention = probe_shared(self)

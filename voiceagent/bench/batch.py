@@ -55,11 +55,12 @@ def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
     `step` each in turn (the worker before shared forwards); `attend_alone`: a shared forward's
     requests attend each in a product of its own."""
     if attend_alone:
-        engine.runner.lean.batch_attention = False
+        lean, before = engine.runner.lean, engine.runner.lean.batch_attention
+        lean.batch_attention = False
         try:
             return decode_together(engine, prompts, sampling, method, shared)
         finally:
-            engine.runner.lean.batch_attention = True
+            lean.batch_attention = before
     states = [engine.start(p, sampling, method=method) for p in prompts]
     while not all(s.prefilled or s.finished for s in states):
         for state in states:

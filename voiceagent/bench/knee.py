@@ -2,9 +2,9 @@
 
 1, 2, 3 ... N simulated Twilio callers at once (from a process of their own, `callers.py`),
 speculation off and on, each a conversation of `turns` questions at real-time pace, started a
-little apart as real callers are. Per N: clock 3
-p50/p95, ITL p95, calls refused by the admission limit (`server.max_calls`, close 1013), and how
-many conversations stayed within the latency threshold (every turn's clock 3 under it). The knee
+little apart as real callers are. Per N: clock 3 p50/p95, ITL p95, each stage's p50, calls
+refused by the admission limit (`server.max_calls`, close 1013), and how many conversations
+stayed within the latency threshold (every turn's clock 3 under it). The knee
 is the most calls the server ran at once with at least `KEEP_SHARE` of them within it: callers it
 refused are not counted against it, nor as served. Run it with `server.max_calls` at the largest N
 to find where the machine bends.
