@@ -127,10 +127,10 @@ class EngineConfig:
     # runner): each request's tokens are unchanged; false runs one forward per request in turn.
     shared_forwards: bool = True
     # KV caches kept side by side in one block on the lean runner, so a shared forward attends
-    # over the requests in consecutive slots at once. Each slot holds max_context positions (on a
-    # CPU only what is written is mapped; a GPU reserves them all); a request past the slots gets
-    # a cache of its own and attends alone. 0: every cache its own.
-    kv_pool_slots: int = 8
+    # over the requests in consecutive slots at once. Each slot holds max_context positions,
+    # allocated at load; a request past the slots gets a cache of its own and attends alone.
+    # 0: every cache its own.
+    kv_pool_slots: int = 4
     # A worker thread that dies (a failure no request's guard caught) fails what it held and
     # serves again after a backoff, up to this many times in 10 minutes; then it stays down.
     worker_restarts: int = 3

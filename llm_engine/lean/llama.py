@@ -19,7 +19,6 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -122,17 +121,13 @@ class CachePool:
     A slot is taken by `take` and given back when its cache is dropped. It is zeroed where it was
     written before it is handed out again, on the thread that takes it (the engine's worker, not
     the event loop that may drop a session): a masked key's value must be finite, and no call sees
-    another's numbers. On a CPU the block is calloc'd, so only the positions written take memory."""
+    another's numbers. The block is allocated whole at load."""
 
     def __init__(self, lean: LeanLlama, slots: int, max_len: int):
         shape = (2, len(lean.layers), slots, lean.kv_heads, max_len, lean.head_dim)
-        dtype, device = lean.attention_dtype, lean.device
-        if device.type == "cpu":  # numpy's zeros are calloc'd: pages are mapped when written
-            raw = torch.from_numpy(np.zeros(shape, dtype=np.uint8 if dtype.itemsize == 1 else
-                                            f"u{dtype.itemsize}"))
-            both = raw.view(dtype)
-        else:
-            both = torch.zeros(shape, dtype=dtype, device=device)
+        # Zeroed, so mapped, whole at load: memory a process holds from its start, flat over calls
+        # (pages mapped as slots were first written grew a process call after call).
+        both = torch.zeros(shape, dtype=lean.attention_dtype, device=lean.device)
         self.k, self.v = both[0], both[1]
         self.slots, self.max_len = slots, max_len
         self._free = list(range(slots))
