@@ -14,9 +14,12 @@ __all__ = ["server_config", "serving", "twilio_url", "until"]
 def server_config(tmp_path, *overrides: str) -> Config:
     """The default config with its store under `tmp_path`; calls one after another must not
     meet the previous call's slot still being freed, so 4 slots and no admission by measured
-    load (test_admission turns it on) unless `overrides` say."""
+    load (test_admission turns it on) unless `overrides` say. The test's callers share the
+    server's event loop and synthesise their speech on it, which on a loaded machine can stall a
+    Twilio handshake past the default 5 s `start` deadline: 30 s here."""
     return load_config(None, [f"paths.runs_dir={tmp_path}/runs", "server.max_calls=4",
-                              "server.admit_clock3_ms=0", *overrides])
+                              "server.admit_clock3_ms=0", "server.start_timeout_s=30",
+                              *overrides])
 
 
 def twilio_url(base: str) -> str:

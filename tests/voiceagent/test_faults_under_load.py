@@ -82,11 +82,28 @@ async def _turn(callers: list[TwilioCaller], app) -> dict:
         c.wait(lambda r, t=s.ended: r.media_after(t) is not None and
                any(at >= t for at, _ in r.marks), REPLY_TIMEOUT_S)
         for c, s in zip(callers, said, strict=True)))
+    assert sum(heard) == len(callers) or not _closes(callers), _closes(callers)
     await asyncio.sleep(1.0)  # the turns' records reach the store
     records = [r for turns in app.state.server.records.by_call.values() for r in turns]
     last = [max((r for r in records if r.call_id == cid), key=lambda r: r.turn)
             for cid in app.state.server.records.by_call]
     return {"heard": sum(heard), "apologies": sum(r.bot_text.strip() == APOLOGY for r in last)}
+
+
+async def _all_in_progress(callers: list[TwilioCaller], app, timeout_s: float = 30) -> bool:
+    """Whether every caller's call is in progress on the server before the first turn."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while len(app.state.server.calls.active) < len(callers):
+        if _closes(callers) or asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+def _closes(callers: list[TwilioCaller]) -> list[str]:
+    """How the server closed the callers it closed: code and reason."""
+    return [f"caller {i}: {c.received.close_code} {c.received.close_reason}"
+            for i, c in enumerate(callers) if c.closed.is_set()]
 
 
 async def _health(http: httpx.AsyncClient) -> str:
@@ -120,10 +137,15 @@ async def test_four_calls_survive_a_dead_worker_a_refusing_store_and_a_hanging_l
         try:
             async with serving(cfg, shared) as (app, base), \
                     httpx.AsyncClient(base_url=base) as http:
+                # Synthesised before any call starts: Piper on the event loop would stall the
+                # server's handshakes (they must see `start` within 5 s) on a loaded machine.
+                for question in QUESTIONS:
+                    speech(question)
                 callers = [TwilioCaller(twilio_url(base)) for _ in range(CALLS)]
                 for caller in callers:
                     await caller.__aenter__()
                     await caller.start()
+                assert await _all_in_progress(callers, app), _closes(callers)
                 table.append(("none", await _turn(callers, app), await _health(http), ""))
 
                 # 1. the engine's worker dies at its next step

@@ -279,12 +279,19 @@ async def test_tts_interruption_drops_the_rest_of_the_reply(tts):
     send = [
         LLMFullResponseStartFrame(),
         *[LLMTextFrame(c + " ") for c in clauses],
-        SleepFrame(0.5),
-        InterruptionFrame(),
-        SleepFrame(1.0),
-        LLMFullResponseEndFrame(),
     ]
-    down, _ = await run_test(tts, frames_to_send=send)
+    observer = FirstAudioObserver(tts)
+
+    def frames():
+        yield from send
+        # The cut comes once audio flows, however long a loaded machine takes to start it.
+        deadline = time.perf_counter() + 30
+        while observer.first_audio is None and time.perf_counter() < deadline:
+            yield SleepFrame(0.05)
+        yield from (SleepFrame(0.2), InterruptionFrame(), SleepFrame(1.0),
+                    LLMFullResponseEndFrame())
+
+    down, _ = await run_test(tts, frames_to_send=frames(), observers=[observer])
     cut = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
     before = [f for f in down[:cut] if isinstance(f, TTSAudioRawFrame)]
     after = [f for f in down[cut:] if isinstance(f, TTSAudioRawFrame)]
