@@ -128,7 +128,8 @@ async def test_a_caller_asking_for_an_order_hears_its_status(cfg, shared):
     [call] = turn.tool_calls
     assert call.name == "lookup_order" and call.ok
     tool = next(m for m in result.messages if m["role"] == "tool")
-    assert '"status": "shipped"' in tool["content"]  # the bundled order 48213
+    # the bundled order 48213
+    assert '"status": "shipped"' in tool["content"], (turn.user_text, tool["content"])
     assert "shipped" in turn.bot_text.lower()  # and the caller hears it
 
 

@@ -75,6 +75,18 @@ def test_a_hesitant_caller_whose_fragment_whisper_punctuates_is_one_turn(cfg, sh
     assert "capital" in turn.user_text.lower() and "spain" in turn.user_text.lower()
 
 
+def test_a_caller_who_goes_on_as_the_reply_begins_is_answered_once(shared, tmp_path):
+    """No hold: the fragment ends the turn and its reply begins; the caller's next words within
+    turn.continue_within_s withdraw it, and the one answer is to the whole sentence."""
+    cfg = load_config(None, [f"paths.runs_dir={tmp_path}", f"vad.stop_secs={STOP_S}",
+                             "turn.unfinished_hold_s=0", "turn.continue_within_s=5"])
+    audio = _caller(0.5, "What is the capital", 0.7, "of Spain?", 6.0)
+    turns = asyncio.run(simulate_call(cfg, shared, audio)).turns
+    assert [t.continues for t in turns] == [False] + [True] * (len(turns) - 1)
+    assert [t.interrupted for t in turns] == [True] * (len(turns) - 1) + [False]
+    assert turns[-1].bot_text.strip()
+
+
 def test_the_words_are_scored_as_said():
     assert normalise("What is the capital?") == "what is the capital"
     assert normalise("My number is 555, 1234. Isn't it?") == "my number is 555 1234 isn't it"

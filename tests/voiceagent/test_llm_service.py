@@ -29,7 +29,7 @@ from tests.voiceagent.scripted_engine import RecordingAsyncEngine, ScriptedEngin
 from voiceagent.pipeline.chat_backend import EngineChat
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.llm_service import ChatLLMService, chat_messages
-from voiceagent.pipeline.metrics import EngineStatsMetricsData
+from voiceagent.pipeline.metrics import EngineStatsMetricsData, TurnContinuesMetricsData
 
 SESSION = "call-1"
 # Long enough that a held request can't run out of tokens before it is held (at most 1 + 3 * 9
@@ -203,6 +203,35 @@ async def test_interruption_cancels_the_engine_request_and_text_stops(make_servi
     assert first.interrupted and first.finish_reason == "cancelled"
     assert first.stats.finish_reason == "cancelled"
     assert not second.interrupted and second.finish_reason == "length"
+
+
+@pytest.mark.parametrize("within_s, continues", [(30.0, True), (0.0, False)])
+async def test_speech_as_the_reply_begins_joins_the_callers_words_in_the_next_prompt(
+        make_serving, tokenizer, within_s, continues):
+    serving = make_serving(hold_first=True)
+    context = LLMContext(messages=[{"role": "user", "content": "What is the capital?"}])
+    llm = _service(serving, tokenizer, continue_within_s=within_s)
+
+    def frames():
+        yield LLMContextFrame(context=context)
+        yield SleepFrame(sleep=0.3)
+        yield InterruptionFrame()  # the caller goes on
+        yield SleepFrame(sleep=0.2)
+        # What pipecat's aggregators write: the cut-off reply, then the caller's next words.
+        context.add_message({"role": "assistant", "content": "The"})
+        context.add_message({"role": "user", "content": "of Spain?"})
+        yield LLMContextFrame(context=context)
+
+    down, _ = await asyncio.wait_for(run_test(llm, frames_to_send=frames()), 60)
+    _, second = serving.handles
+    if continues:
+        said = [{"role": "user", "content": "What is the capital of Spain?"}]
+    else:
+        said = context.get_messages()
+    assert second.state.prompt_ids == encode_chat(tokenizer, said)
+    marked = [d for f in down if isinstance(f, MetricsFrame) for d in f.data
+              if isinstance(d, TurnContinuesMetricsData)]
+    assert len(marked) == int(continues)
 
 
 async def test_assistant_aggregator_closes_the_reply_as_interrupted(make_serving, tokenizer):

@@ -110,18 +110,36 @@ def render_tool_turns(by_mode: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def render_answers(turns: dict[str, list], script: dict) -> str:
+    """Per scripted call: the caller's turns each variant answered (a turn that went on with
+    the one before is the same sentence, `summarise`'s `continued`), beside the utterances."""
+    lines = ["| call | utterances | " + " | ".join(turns) + " |",
+             "|---|--:|" + "--:|" * len(turns)]
+    for call in script["calls"]:
+        cells = []
+        for records in turns.values():
+            mine = [t for t in records if t["script_call"] == call["name"]]
+            s = summarise(mine)
+            runs = max(s["calls"], 1)
+            cells.append(f"{(s['turns'] - s['continued']) / runs:g} ({s['turns'] / runs:g})")
+        lines.append(f"| {call['name']} | {len(call['turns'])} | " + " | ".join(cells) + " |")
+    return ("Answered turns per call (all turns, with those that went on with the one before), "
+            "averaged over the repeats:\n\n" + "\n".join(lines))
+
+
 def render(summary: dict[str, dict]) -> str:
     lines = [
-        "| mode | turns | interrupted | turn end→first audio p50 / p95 ms | request→first token "
-        "p50 ms | ITL p50 / p95 ms | barge-in→silent p50 / max ms | acc/step |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|",
+        "| mode | turns | interrupted | continued | turn end→first audio p50 / p95 ms | "
+        "request→first token p50 ms | ITL p50 / p95 ms | barge-in→silent p50 / max ms | "
+        "acc/step |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for mode, s in summary.items():
         c3, c1, itl, bi = (s["turn_end_to_first_audio_ms"], s["request_to_first_token_ms"],
                            s["itl_ms"], s["barge_in_to_silence_ms"])
         acc = s["accepted_per_step"]
         lines.append(
-            f"| {mode} | {s['turns']} | {s['interrupted']} | "
+            f"| {mode} | {s['turns']} | {s['interrupted']} | {s['continued']} | "
             f"{fmt(c3['p50'], 0)} / {fmt(c3['p95'], 0)} | {fmt(c1['p50'], 0)} | "
             f"{fmt(itl['p50'], 0)} / {fmt(itl['p95'], 0)} | "
             f"{fmt(bi['p50'], 0)} / {fmt(bi['max'], 0)} | {fmt(acc, 2)} |"
@@ -232,7 +250,9 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                         models = dataclasses.replace(models, chat=remotes[v.method])
                     result = await simulate_call(v.configure(call_cfg), models, audio,
                                                  method=v.method, store=store)
-                    say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)")
+                    went_on = sum(t.continues for t in result.turns)
+                    say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)"
+                        + (f", {went_on} going on with the one before" if went_on else ""))
                     bar.update()
                     turns[v.name] += [dict(t.to_dict(), script_call=call["name"])
                                       for t in result.turns]
@@ -276,7 +296,7 @@ def run_call_bench(cfg: Config, args) -> int:
         header += f"- {name}: `{chat.model}` on {redact(chat.cfg.base_url)}; {remote_spec[name]}\n"
     header += "\n"
     markdown = (header + render(summary) + "\n\n" + render_floor(floor, summary) + "\n\n"
-                + render_tool_turns(tools) + "\n")
+                + render_tool_turns(tools) + "\n\n" + render_answers(turns, script) + "\n")
     save_results(args.out, "call", stamp, markdown,
                  {"summary": summary, "tool_turns": tools, "floor": floor, "turns": turns,
                   "config": cfg.model_dump(mode="json")})

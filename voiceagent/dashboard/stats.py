@@ -51,6 +51,9 @@ def summarise(turns: list[dict]) -> dict:
         "calls": len({r.call_id for r in records}),
         "interrupted": interrupted,
         "interrupted_share": interrupted / len(records) if records else None,
+        # Turns that went on with the one before as its reply began: one sentence of the caller's
+        # (and one answer) across two turns.
+        "continued": sum(r.continues for r in records),
         "turn_end_to_first_audio_ms": _pcts(clock3),
         "request_to_first_token_ms": _pcts(clock1, (50, 95)),
         "itl_ms": {**_pcts(itl), "mean": float(np.mean(itl)) if itl else None},

@@ -212,6 +212,7 @@ def build_call(
         tools=ToolPolicy(tuple(tools), cfg.agent.max_tool_calls),
         examples=cfg.agent.example_messages(),
         error_reply=cfg.agent.error_reply,
+        continue_within_s=cfg.turn.continue_within_s,
     )
     register_tools(llm, tools, cfg.agent)
     pipeline = Pipeline([

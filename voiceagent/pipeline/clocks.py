@@ -62,6 +62,7 @@ from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
     HeldAudioMetricsData,
+    TurnContinuesMetricsData,
 )
 from voiceagent.pipeline.turn_record import (
     Breakdown,
@@ -138,6 +139,7 @@ class _Turn:
     audio_s: float = 0.0  # synthesised for this turn's reply
     prepared_ns: int | None = None  # the request of the preparation in flight or committed
     preparation: Preparation = field(default_factory=Preparation)
+    continues: bool = False  # goes on with the turn before (TurnContinuesMetricsData)
 
     def drop_reply(self) -> None:
         """Forget a withdrawn prepared reply: the turn is being heard again."""
@@ -487,6 +489,8 @@ class ClocksObserver(BaseObserver):
             elif isinstance(item, HeldAudioMetricsData):
                 if (turn := self._listening or self._answering) is not None:
                     turn.preparation.discarded_audio_ms += item.discarded_audio_ms
+            elif isinstance(item, TurnContinuesMetricsData) and self._listening is not None:
+                self._listening.continues = True
             elif isinstance(item, ASRFinalMetricsData):
                 target = self._listening or self._answering
                 if target is not None:
@@ -549,5 +553,6 @@ class ClocksObserver(BaseObserver):
             interruption_to_silence_ms=_ms(turn.interrupted_ns, turn.silent_ns),
             preparation=preparation,
             tool_calls=[run.record() for run in turn.tool_calls.values()],
+            continues=turn.continues,
         )
         self._on_turn(record)

@@ -97,6 +97,8 @@ from typing import Any
 
 from loguru import logger
 from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
     CancelFrame,
     EagerEndOfTurnCancelFrame,
     EndFrame,
@@ -125,8 +127,9 @@ from pipecat.utils.errors import ErrorCategory
 from llm_engine.config import SamplingConfig
 from llm_engine.serving import Completion
 from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle
+from voiceagent.pipeline.continuation import Continuations, joined
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
-from voiceagent.pipeline.metrics import EngineStatsMetricsData
+from voiceagent.pipeline.metrics import EngineStatsMetricsData, TurnContinuesMetricsData
 from voiceagent.pipeline.tool_calls import ToolPolicy
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -134,7 +137,8 @@ _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a c
 
 
 def chat_messages(context: LLMContext, system_prompt: str | None = None,
-                  examples: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+                  examples: Sequence[dict[str, Any]] = (),
+                  joins: set[int] = frozenset()) -> list[dict[str, Any]]:
     """The context as OpenAI chat messages for the backend (`llm_engine.prompts` renders them
     for the target's chat template).
 
@@ -142,9 +146,10 @@ def chat_messages(context: LLMContext, system_prompt: str | None = None,
     are kept; provider-specific messages and messages without text are left out.
     `system_prompt` goes first when the context has no system message of its own; `examples`
     (an example exchange, `AgentConfig.example_messages`) right after the system message.
+    `joins`: user messages the caller went on with (continuation.py).
     """
     messages: list[dict[str, Any]] = []
-    for message in context.get_messages():
+    for message in joined(context.get_messages(), joins):
         if isinstance(message, LLMSpecificMessage):
             continue
         role = message.get("role", "")
@@ -162,6 +167,11 @@ def chat_messages(context: LLMContext, system_prompt: str | None = None,
     at = 1 if messages and messages[0]["role"] == "system" else 0
     messages[at:at] = [dict(m) for m in examples]
     return messages
+
+
+def _ends_with_user(context: LLMContext) -> bool:
+    messages = [m for m in context.get_messages() if not isinstance(m, LLMSpecificMessage)]
+    return bool(messages) and messages[-1].get("role") == "user"
 
 
 @dataclass(eq=False)
@@ -198,13 +208,16 @@ class ChatLLMService(LLMService):
         tools: ToolPolicy | None = None,
         examples: Sequence[dict[str, Any]] = (),
         error_reply: str = "",
+        continue_within_s: float = 0.0,
         **kwargs,
     ):
         """`sampling` and `method` override the engine config's; None keeps them. `context`: the
         call's conversation, for prefilling the caller's words while they speak (None: off).
         `tools`: what each request may call (their handlers are registered by tool_calls.py).
         `examples`: an example exchange after the system prompt.
-        `error_reply`: what the caller hears when a turn's request fails ("": nothing)."""
+        `error_reply`: what the caller hears when a turn's request fails ("": nothing).
+        `continue_within_s`: speech this soon after a reply began goes on with the caller's
+        sentence (continuation.py); 0: off."""
         # Store-mode settings: every field set. Sampling lives in `SamplingConfig`, so pipecat's
         # sampling fields are None (unsupported). `system_instruction` is pipecat's: the base
         # class composes it with its add-ons and lets an LLMUpdateSettingsFrame change it.
@@ -233,6 +246,8 @@ class ChatLLMService(LLMService):
         self._requests: dict[str, _Request] = {}  # every request not yet reported
         self._reporters: set[asyncio.Task] = set()
         self._context = context
+        self._continuations = Continuations(continue_within_s)
+        self._heard_context: LLMContext | None = None  # the latest context of a committed turn
         # The latest prefill-only request (the system prompt, or the caller's words so far): the
         # next reply's prefix.
         self._prefill: asyncio.Task | None = None
@@ -288,8 +303,14 @@ class ChatLLMService(LLMService):
         if isinstance(frame, LLMContextFrame):
             await self._begin(frame.context, prepared=prepared)
         elif isinstance(frame, InterruptionFrame):
+            heard = self._context or self._heard_context
+            continues = heard is not None and self._continuations.interrupted(
+                heard.get_messages())
             await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
+            if continues:
+                await self.push_frame(MetricsFrame(data=[TurnContinuesMetricsData(
+                    processor=self.name)]))
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
             # The prepared reply may have finished generating already; it is withdrawn all the
             # same (its tokens count as wasted), and stopped if it is still going.
@@ -303,6 +324,8 @@ class ChatLLMService(LLMService):
         elif isinstance(frame, UserStoppedSpeakingFrame):
             # The turn is confirmed: its prepared reply is committed, and its tool call may run.
             request, self._prepared = self._prepared, None
+            if request is not None:
+                self._continuations.committed()
             await self.push_frame(frame, direction)
             if request is not None and request.calls:
                 await self._run_calls(request)
@@ -311,6 +334,10 @@ class ChatLLMService(LLMService):
         elif isinstance(frame, LLMUpdateSettingsFrame):
             pass  # LLMService applied it, or pushed it on when it names another service
         else:
+            if isinstance(frame, BotStartedSpeakingFrame):
+                self._continuations.heard()
+            elif isinstance(frame, BotStoppedSpeakingFrame):
+                self._continuations.finished()
             await self.push_frame(frame, direction)
 
     async def start(self, frame: StartFrame):
@@ -333,7 +360,8 @@ class ChatLLMService(LLMService):
             return
         if self._prefill is not None and not self._prefill.done():
             return
-        self._submit_prefill([*self._messages(self._context), {"role": "user", "content": text}])
+        words = LLMContext([*self._context.get_messages(), {"role": "user", "content": text}])
+        self._submit_prefill(self._messages(words))
 
     def _submit_prefill(self, messages: list[dict[str, Any]]) -> None:
         """A one-token request that leaves `messages` in this call's KV cache."""
@@ -348,7 +376,8 @@ class ChatLLMService(LLMService):
 
     def _messages(self, context: LLMContext) -> list[dict[str, Any]]:
         system = self._settings.system_instruction
-        return chat_messages(context, system if isinstance(system, str) else None, self._examples)
+        return chat_messages(context, system if isinstance(system, str) else None, self._examples,
+                             self._continuations.joins)
 
     async def stop(self, frame: EndFrame):
         # An EndFrame is the graceful end: AIService.stop "runs in frame order, after pending
@@ -387,6 +416,10 @@ class ChatLLMService(LLMService):
         # prefill ends (`llm_engine.serving`). Nothing here awaits before the request is
         # registered, so a withdrawal or an interruption that arrives next always finds it.
         self._log_llm_response(context)
+        if not prepared:
+            self._heard_context = context  # the call's own: pipecat writes every turn into it
+            if _ends_with_user(context):  # the caller's turn, not a tool result's answer
+                self._continuations.committed()
         try:
             messages = self._messages(context)
             handle = self._chat.submit(messages, self._sampling, self._session_id, self._method,
@@ -459,6 +492,7 @@ class ChatLLMService(LLMService):
     async def _run_calls(self, request: _Request) -> None:
         calls, request.calls = request.calls, []
         if not request.discarded and not request.interrupted:
+            self._continuations.ran_tools()
             await self.run_function_calls(calls)
 
     def _run_early(self, request: _Request) -> None:

@@ -34,6 +34,11 @@ class HeldAudioMetricsData(MetricsData):
     discarded_audio_ms: float
 
 
+class TurnContinuesMetricsData(MetricsData):
+    """The turn being heard goes on with the one before, whose reply was withdrawn as it began
+    (`turn.continue_within_s`)."""
+
+
 class ASRFinalMetricsData(MetricsData):
     """How long the final transcript took after the turn ended (VAD stop), and how it was made."""
 

@@ -136,6 +136,9 @@ class TurnRecord:
     interruption_to_silence_ms: float | None = None
     preparation: Preparation = field(default_factory=Preparation)
     tool_calls: list[ToolCall] = field(default_factory=list)  # in the order they started
+    # The caller went on with the turn before just as its reply began (turn.continue_within_s):
+    # that reply was withdrawn, and the model answered both turns' words as one message.
+    continues: bool = False
 
     @property
     def method(self) -> str:
