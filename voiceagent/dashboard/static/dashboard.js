@@ -677,7 +677,9 @@ function renderCallTurns(turns) {
     const c = t.clocks || {};
     return el("tr", { "data-turn": t.turn, class: t.interrupted ? "interrupted" : null },
       el("th", { scope: "row", class: "num" }, String(t.turn),
-        t.interrupted ? el("span", { class: "badge", text: "interrupted" }) : null),
+        t.interrupted ? el("span", { class: "badge", text: "interrupted" }) : null,
+        t.continues ? el("span", { class: "badge", text: "goes on",
+                                   title: "the caller went on with the turn before as its reply began: one message to the model" }) : null),
       transcriptCell(t.user_text, stored),
       transcriptCell(t.bot_text, stored),
       toolsCell(t),
