@@ -145,12 +145,13 @@ class TurnConfig(BaseModel):
     # saying this many words (pipecat's min-words strategy), so a "mm-hmm" or a cough does not cut
     # it off. Both 0: any speech the VAD hears interrupts at once.
     min_interrupt_s: float = Field(0.0, ge=0)
-    # A caller who speaks again before the reply was heard this long (seconds of its audio, or
-    # before any of it) goes on with the same sentence: "What is the capital" / "The" / "of
-    # Spain?". The reply is withdrawn and their words before and after are one message, one
-    # turn. Later speech is a barge-in (a new turn). 0: every interruption starts a new turn.
-    continue_within_s: float = Field(1.0, ge=0)
     min_interrupt_words: int = Field(0, ge=0)
+    # Speech that interrupts a reply within this long (seconds) of its commit, before any of
+    # its audio, or of its first audio, with none of its clauses played to the end, goes on with
+    # the caller's sentence: "What is the capital" / "The" / "of Spain?". The reply is withdrawn
+    # and their words before and after are one message (continuation.py). Later speech is a
+    # barge-in (a new turn). 0: every interruption starts a new turn.
+    continue_within_s: float = Field(1.0, ge=0)
     # Keys pressed (DTMF) are one user turn, sent this long after the last key, or at once on
     # the termination key ("": none).
     dtmf_timeout_s: float = Field(2.0, gt=0)

@@ -80,8 +80,9 @@ def test_a_caller_who_goes_on_as_the_reply_begins_is_answered_once(shared, tmp_p
     turn.continue_within_s withdraw it, and the one answer is to the whole sentence."""
     cfg = load_config(None, [f"paths.runs_dir={tmp_path}", f"vad.stop_secs={STOP_S}",
                              "turn.unfinished_hold_s=0", "turn.continue_within_s=5"])
-    audio = _caller(0.5, "What is the capital", 0.7, "of Spain?", 6.0)
+    audio = _caller(0.5, "What is the capital", 1.0, "of Spain?", 6.0)
     turns = asyncio.run(simulate_call(cfg, shared, audio)).turns
+    assert len(turns) >= 2  # the pause ended a turn
     assert [t.continues for t in turns] == [False] + [True] * (len(turns) - 1)
     assert [t.interrupted for t in turns] == [True] * (len(turns) - 1) + [False]
     assert turns[-1].bot_text.strip()

@@ -6,6 +6,8 @@ import asyncio
 
 import pytest
 from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
     CancelFrame,
     EagerEndOfTurnCancelFrame,
     ErrorFrame,
@@ -205,20 +207,36 @@ async def test_interruption_cancels_the_engine_request_and_text_stops(make_servi
     assert not second.interrupted and second.finish_reason == "length"
 
 
-@pytest.mark.parametrize("within_s, continues", [(30.0, True), (0.0, False)])
+# (window s, what happens between the commit and the caller's speech, what the bot had written
+# into the context, whether the caller goes on)
+_GOING_ON = {
+    "at once": (30.0, [], "", True),
+    "soon after a slow first audio": (1.0, [SleepFrame(1.5), BotStartedSpeakingFrame()], "", True),
+    "after the reply was heard": (30.0, [BotStartedSpeakingFrame(), BotStoppedSpeakingFrame()],
+                                  "", False),
+    "after a clause was heard": (30.0, [], "The", False),
+    "off": (0.0, [], "", False),
+}
+
+
+@pytest.mark.parametrize("case", _GOING_ON)
 async def test_speech_as_the_reply_begins_joins_the_callers_words_in_the_next_prompt(
-        make_serving, tokenizer, within_s, continues):
+        make_serving, tokenizer, case):
+    within_s, between, written, continues = _GOING_ON[case]
     serving = make_serving(hold_first=True)
     context = LLMContext(messages=[{"role": "user", "content": "What is the capital?"}])
     llm = _service(serving, tokenizer, continue_within_s=within_s)
 
     def frames():
         yield LLMContextFrame(context=context)
-        yield SleepFrame(sleep=0.3)
-        yield InterruptionFrame()  # the caller goes on
+        while not serving.handles:  # the reply is committed once its request is in
+            yield SleepFrame(sleep=0.02)
+        yield from between
+        yield SleepFrame(sleep=0.1)
+        yield InterruptionFrame()  # the caller speaks
         yield SleepFrame(sleep=0.2)
-        # What pipecat's aggregators write: the cut-off reply, then the caller's next words.
-        context.add_message({"role": "assistant", "content": "The"})
+        # What pipecat's aggregators write: what was played of the reply, then the caller's words.
+        context.add_message({"role": "assistant", "content": written})
         context.add_message({"role": "user", "content": "of Spain?"})
         yield LLMContextFrame(context=context)
 
@@ -227,7 +245,7 @@ async def test_speech_as_the_reply_begins_joins_the_callers_words_in_the_next_pr
     if continues:
         said = [{"role": "user", "content": "What is the capital of Spain?"}]
     else:
-        said = context.get_messages()
+        said = [m for m in context.get_messages() if m["content"]]
     assert second.state.prompt_ids == encode_chat(tokenizer, said)
     marked = [d for f in down if isinstance(f, MetricsFrame) for d in f.data
               if isinstance(d, TurnContinuesMetricsData)]

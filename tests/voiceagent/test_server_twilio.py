@@ -46,7 +46,8 @@ async def _talk_over_the_bot(caller: TwilioCaller) -> tuple[Utterance, float]:
     """Ask for a story, and say stop while the bot tells it: the stop and the `clear` after it."""
     said = await caller.say(speech("Tell me a long story about a brave little dragon."))
     assert await caller.wait(lambda r: r.media_after(said.ended), REPLY_TIMEOUT_S)
-    await asyncio.sleep(0.5)  # the bot is mid-utterance
+    # The bot is mid-utterance, past turn.continue_within_s: a barge-in, not the caller going on.
+    await asyncio.sleep(1.5)
     barge = await caller.say(speech("Stop, wait a moment please."))
     assert await caller.wait(lambda r: any(t >= barge.started for t in r.clears), 10), \
         "no clear after the caller spoke over the bot"

@@ -489,8 +489,10 @@ class ClocksObserver(BaseObserver):
             elif isinstance(item, HeldAudioMetricsData):
                 if (turn := self._listening or self._answering) is not None:
                     turn.preparation.discarded_audio_ms += item.discarded_audio_ms
-            elif isinstance(item, TurnContinuesMetricsData) and self._listening is not None:
-                self._listening.continues = True
+            elif isinstance(item, TurnContinuesMetricsData):
+                # A prepared reply's turn is still being heard; a committed one is answered.
+                if (turn := self._listening or self._answering) is not None:
+                    turn.continues = True
             elif isinstance(item, ASRFinalMetricsData):
                 target = self._listening or self._answering
                 if target is not None:

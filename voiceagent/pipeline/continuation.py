@@ -5,10 +5,11 @@ the turn ended at the pause, the reply began, and the caller's next words interr
 as a barge-in, that is two turns: the model sees "What is the capital?", a cut-off "The", and
 "of Spain?", and answers the fragment. A person would take the words as one sentence and drop
 the answer they had begun. So when the caller speaks again within `turn.continue_within_s` of
-the reply's commit (nothing heard yet) or of its first audio, the interrupted reply is withdrawn
-from what the model sees and the caller's message before it and the one after are joined: one
-message, one answer. Later speech is a barge-in as before. A reply that ran a tool is never
-withdrawn this way: its side effects happened.
+the reply's commit (nothing sent yet) or of its first audio, and before any of its clauses was
+played to the end, the interrupted reply is withdrawn from what the model sees and the caller's
+message before it and the one after are joined: one message, one answer. Later speech is a
+barge-in as before, and so is speech after a clause the caller heard ("No." / "Why not?"). A
+reply that ran a tool is never withdrawn this way: its side effects happened.
 
 The context keeps its messages as pipecat wrote them (the cut-off reply included); `joined`
 rewrites them for each prompt from the indices recorded here.
@@ -54,49 +55,65 @@ class Continuations:
         """The bot's audio stopped: the reply was heard, speech from now on is a new turn."""
         self._committed_at = self._heard_at = None
 
-    def interrupted(self, messages: Sequence[Any]) -> bool:
-        """The caller interrupted the reply: whether they go on with the sentence it answered.
-        If so, the last user message in `messages` (the call's context) joins the next one."""
+    def interrupted(self, messages: Sequence[Any]) -> None:
+        """The caller interrupted the reply: if they may be going on with the sentence it
+        answered, the last user message in `messages` (the call's context) joins the next one,
+        as long as nothing of the reply is written between (`joined`)."""
         since = self._heard_at if self._heard_at is not None else self._committed_at
         self._committed_at = self._heard_at = None
         if self.within_s <= 0 or since is None or self._ran_tools:
-            return False
-        if self._clock() - since > self.within_s:
-            return False
-        last = next((i for i in range(len(messages) - 1, -1, -1)
-                     if _role(messages[i]) == "user"), None)
-        if last is None:
-            return False
-        self.joins.add(last)
-        return True
+            return
+        if self._clock() - since <= self.within_s and (last := _last_user(messages)) is not None:
+            self.joins.add(last)
 
 
 def joined(messages: Sequence[Any], joins: set[int]) -> list[Any]:
-    """`messages` with each user message in `joins` joined to the next user message, the plain
-    assistant messages between them (the withdrawn reply) left out. A pair with anything else
-    between (a tool call, its result) stays as it is."""
+    """`messages` with each user message in `joins` joined to the next user message and the
+    withdrawn reply between them left out. Only a reply of which nothing was heard to the end
+    is withdrawn (pipecat writes an interrupted reply's played clauses into the context): once
+    the caller heard "No.", "Why not?" is a new turn, and a tool call or its result between the
+    two keeps them apart too."""
     out: list[Any] = []
     i = 0
     while i < len(messages):
-        message = messages[i]
-        text = None
-        while i in joins and _role(message) == "user":
-            k = i + 1
-            while k < len(messages) and _plain_assistant(messages[k]):
-                k += 1
-            if k >= len(messages) or _role(messages[k]) != "user":
-                break
+        message, text = messages[i], None
+        while i in joins and (k := _next_user(messages, i)) is not None:
             first = standard_message_text(message) if text is None else text
-            text = f"{first.rstrip().rstrip(_ENDINGS)} {standard_message_text(messages[k]).strip()}"
+            then = standard_message_text(messages[k]).strip()
+            text = f"{first.rstrip().rstrip(_ENDINGS)} {then}"
             i, message = k, messages[k]
         out.append(message if text is None else {"role": "user", "content": text})
         i += 1
     return out
 
 
+def continues_last(messages: Sequence[Any], joins: set[int]) -> bool:
+    """Whether the last user message in `messages` goes on with an earlier one (`joined`)."""
+    last = _last_user(messages)
+    return last is not None and any(_next_user(messages, i) == last for i in joins)
+
+
+def _next_user(messages: Sequence[Any], i: int) -> int | None:
+    """The user message that user message `i` joins: the next one, with only withdrawn replies
+    between; None if there is none such."""
+    if i >= len(messages) or _role(messages[i]) != "user":
+        return None
+    k = i + 1
+    while k < len(messages) and _withdrawn(messages[k]):
+        k += 1
+    return k if k < len(messages) and _role(messages[k]) == "user" else None
+
+
+def _last_user(messages: Sequence[Any]) -> int | None:
+    return next((i for i in range(len(messages) - 1, -1, -1) if _role(messages[i]) == "user"),
+                None)
+
+
 def _role(message: Any) -> str | None:
     return None if isinstance(message, LLMSpecificMessage) else message.get("role")
 
 
-def _plain_assistant(message: Any) -> bool:
-    return _role(message) == "assistant" and not message.get("tool_calls")
+def _withdrawn(message: Any) -> bool:
+    """An assistant message with nothing the caller heard to the end, and no tool call."""
+    return (_role(message) == "assistant" and not message.get("tool_calls")
+            and not (standard_message_text(message) or "").strip())

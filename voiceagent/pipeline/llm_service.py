@@ -127,7 +127,7 @@ from pipecat.utils.errors import ErrorCategory
 from llm_engine.config import SamplingConfig
 from llm_engine.serving import Completion
 from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle
-from voiceagent.pipeline.continuation import Continuations, joined
+from voiceagent.pipeline.continuation import Continuations, continues_last, joined
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
 from voiceagent.pipeline.metrics import EngineStatsMetricsData, TurnContinuesMetricsData
 from voiceagent.pipeline.tool_calls import ToolPolicy
@@ -303,14 +303,10 @@ class ChatLLMService(LLMService):
         if isinstance(frame, LLMContextFrame):
             await self._begin(frame.context, prepared=prepared)
         elif isinstance(frame, InterruptionFrame):
-            heard = self._context or self._heard_context
-            continues = heard is not None and self._continuations.interrupted(
-                heard.get_messages())
+            if (heard := self._context or self._heard_context) is not None:
+                self._continuations.interrupted(heard.get_messages())
             await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
-            if continues:
-                await self.push_frame(MetricsFrame(data=[TurnContinuesMetricsData(
-                    processor=self.name)]))
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
             # The prepared reply may have finished generating already; it is withdrawn all the
             # same (its tokens count as wasted), and stopped if it is still going.
@@ -446,6 +442,10 @@ class ChatLLMService(LLMService):
         superseded, self._prepared = self._prepared, request if prepared else None
         if superseded is not None:  # its turn was never confirmed: its early results go
             await self._drop_early(superseded)
+        if continues_last(context.get_messages(), self._continuations.joins):
+            # The turn's record says what the model was asked: this turn and the one before.
+            await self.push_frame(MetricsFrame(data=[TurnContinuesMetricsData(
+                processor=self.name)]))
 
     async def _stream(self, request: _Request, context: LLMContext) -> None:
         """Push the reply's frames as the engine's deltas arrive; then its tool call, or the end
