@@ -247,7 +247,7 @@ class ChatLLMService(LLMService):
         self._reporters: set[asyncio.Task] = set()
         self._context = context
         self._continuations = Continuations(continue_within_s)
-        self._heard_context: LLMContext | None = None  # the latest context of a committed turn
+        self._call_context: LLMContext | None = None  # the latest context of a committed turn
         # The latest prefill-only request (the system prompt, or the caller's words so far): the
         # next reply's prefix.
         self._prefill: asyncio.Task | None = None
@@ -303,8 +303,8 @@ class ChatLLMService(LLMService):
         if isinstance(frame, LLMContextFrame):
             await self._begin(frame.context, prepared=prepared)
         elif isinstance(frame, InterruptionFrame):
-            if (heard := self._context or self._heard_context) is not None:
-                self._continuations.interrupted(heard.get_messages())
+            if (call := self._context or self._call_context) is not None:
+                self._continuations.interrupted(call.get_messages())
             await self._interrupt(push_end=False)
             await self.push_frame(frame, direction)
         elif isinstance(frame, EagerEndOfTurnCancelFrame):
@@ -413,7 +413,7 @@ class ChatLLMService(LLMService):
         # registered, so a withdrawal or an interruption that arrives next always finds it.
         self._log_llm_response(context)
         if not prepared:
-            self._heard_context = context  # the call's own: pipecat writes every turn into it
+            self._call_context = context  # the call's own: pipecat writes every turn into it
             if _ends_with_user(context):  # the caller's turn, not a tool result's answer
                 self._continuations.committed()
         try:
