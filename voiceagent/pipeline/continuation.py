@@ -18,7 +18,7 @@ rewrites them for each prompt from the indices recorded here.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from pipecat.processors.aggregators.llm_context import LLMSpecificMessage, standard_message_text
@@ -67,7 +67,7 @@ class Continuations:
             self.joins.add(last)
 
 
-def joined(messages: Sequence[Any], joins: set[int]) -> list[Any]:
+def joined(messages: Sequence[Any], joins: Collection[int]) -> list[Any]:
     """`messages` with each user message in `joins` joined to the next user message and the
     withdrawn reply between them left out. Only a reply of which nothing was heard to the end
     is withdrawn (pipecat writes an interrupted reply's played clauses into the context): once
@@ -87,7 +87,7 @@ def joined(messages: Sequence[Any], joins: set[int]) -> list[Any]:
     return out
 
 
-def continues_last(messages: Sequence[Any], joins: set[int]) -> bool:
+def continues_last(messages: Sequence[Any], joins: Collection[int]) -> bool:
     """Whether the last user message in `messages` goes on with an earlier one (`joined`)."""
     last = _last_user(messages)
     return last is not None and any(_next_user(messages, i) == last for i in joins)

@@ -91,7 +91,7 @@ import contextlib
 import dataclasses
 import itertools
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +138,7 @@ _CLEANUP_WAIT_S = 2.0  # how long teardown waits for the engine to let go of a c
 
 def chat_messages(context: LLMContext, system_prompt: str | None = None,
                   examples: Sequence[dict[str, Any]] = (),
-                  joins: set[int] = frozenset()) -> list[dict[str, Any]]:
+                  joins: Collection[int] = frozenset()) -> list[dict[str, Any]]:
     """The context as OpenAI chat messages for the backend (`llm_engine.prompts` renders them
     for the target's chat template).
 
