@@ -152,6 +152,10 @@ class TurnConfig(BaseModel):
     # and their words before and after are one message (continuation.py). Later speech is a
     # barge-in (a new turn). 0: every interruption starts a new turn.
     continue_within_s: float = Field(1.0, ge=0)
+    # The bot's speech does not start while the caller's voice is rising (the VAD's first voiced
+    # window, before it confirms speech): it waits until the voice falls quiet, or is dropped
+    # when the voice interrupts it (onset_hold.py). Off: the reply plays as soon as it is ready.
+    yield_to_voice: bool = True
     # Keys pressed (DTMF) are one user turn, sent this long after the last key, or at once on
     # the termination key ("": none).
     dtmf_timeout_s: float = Field(2.0, gt=0)

@@ -1,16 +1,21 @@
 """`bench call` variants: what each name turns on, and clear errors for bad ones."""
 
+import numpy as np
 import pytest
 
+from audio.config import TTSConfig
 from voiceagent.bench.call import (
     Variant,
+    caller_audio,
     parse_backends,
     render_tool_turns,
     speech_per_variant,
     tool_turns,
 )
+from voiceagent.bench.false_starts import false_starts, sentences, voiced_runs
 from voiceagent.config import ConfigError, load_config
 from voiceagent.pipeline.speech_models import SpeechModels
+from voiceagent.pipeline.tts import load_tts_voice
 
 
 def test_variant_turns_on_its_features_and_only_those():
@@ -74,3 +79,36 @@ def test_tool_turns_count_results_heard_within_a_second():
     assert summary["within_goal"] == 1 and summary["c3_p50"] == 1100.0
     table = render_tool_turns({"ngram": summary})
     assert "| ngram | 2 | 3 (1) | 1100 / 1370 | 20 | 1 of 2 |" in table
+
+
+def _tone(seconds: float, rate: int = 16000) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (8000 * np.sin(2 * np.pi * 220 * t)).astype(np.int16)
+
+
+def _bot(rate: int, *spans: tuple[float, float]) -> np.ndarray:
+    out = np.zeros(int(6 * rate), np.int16)
+    for a, b in spans:
+        out[int(a * rate):int(a * rate) + int((b - a) * rate)] = _tone(b - a, rate)
+    return out
+
+
+def test_a_pause_shorter_than_a_second_goes_on_with_the_sentence():
+    assert sentences([(0.5, 1.5, 0.7), (2.2, 3.0, 0.3), (3.3, 4.0, 5.0), (9.0, 10.0, 5.0)]) == [
+        (0.5, 4.0), (9.0, 10.0)]
+
+
+def test_false_starts_are_the_bots_speech_begun_inside_the_callers_sentence():
+    said = [(0.5, 4.0)]
+    heard = false_starts(_bot(16000, (2.0, 2.3), (4.5, 5.5)), 16000, said)
+    assert heard == [300]  # the reply after the sentence is not one
+    assert false_starts(_bot(16000, (0.0, 1.0)), 16000, said) == []  # talking before: a barge-in
+
+
+def test_the_scripted_callers_hesitation_is_one_sentence_on_its_timeline():
+    voice = load_tts_voice(TTSConfig())
+    audio, said = caller_audio(voice, [{"say": "What is the capital", "then": 0.5},
+                                       {"say": "of Spain?", "then": 2.0}])
+    [(start, end)] = said
+    runs = voiced_runs(audio, 16000)
+    assert abs(start - runs[0][0]) < 0.02 and abs(end - runs[-1][1]) < 0.02

@@ -26,6 +26,7 @@ import numpy as np
 import yaml
 
 from audio.synth import silence, synthesize
+from voiceagent.bench.false_starts import false_starts, sentences, voiced_runs
 from voiceagent.bench.floor import measure_floor, render_floor
 from voiceagent.bench.results import save_results, utc_stamp
 from voiceagent.config import PROMPTS_DIR, Config, LLMConfig, apply_override
@@ -77,11 +78,16 @@ class Variant:
         return Config.model_validate(data)
 
 
-def caller_audio(voice, turns: list[dict]) -> np.ndarray:
-    parts = [silence(0.5)]
+def caller_audio(voice, turns: list[dict]) -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """The caller's side of a scripted call, and its sentences' (start, end) seconds."""
+    parts, spoken, at = [silence(0.5)], [], 0.5
     for turn in turns:
-        parts += [synthesize(voice, turn["say"], RATE), silence(float(turn["then"]))]
-    return np.concatenate(parts)
+        said, pause = synthesize(voice, turn["say"], RATE), float(turn["then"])
+        runs = voiced_runs(said, RATE)
+        spoken.append((at + runs[0][0], at + runs[-1][1], pause))
+        parts += [said, silence(pause)]
+        at += (len(said) + len(parts[-1])) / RATE
+    return np.concatenate(parts), sentences(spoken)
 
 
 def tool_turns(turns: list[dict]) -> dict:
@@ -110,21 +116,27 @@ def render_tool_turns(by_mode: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def render_answers(turns: dict[str, list], script: dict) -> str:
+def render_answers(turns: dict[str, list], said_over: dict[str, dict[str, list[float]]],
+                   script: dict) -> str:
     """Per scripted call: the caller's turns each variant answered (a turn that went on with
-    the one before is the same sentence, `summarise`'s `continued`), beside the utterances."""
+    the one before is the same sentence, `summarise`'s `continued`), beside the utterances; and
+    the bot's false starts inside the caller's sentences (false_starts.py)."""
     lines = ["| call | utterances | " + " | ".join(turns) + " |",
              "|---|--:|" + "--:|" * len(turns)]
     for call in script["calls"]:
         cells = []
-        for records in turns.values():
+        for mode, records in turns.items():
             mine = [t for t in records if t["script_call"] == call["name"]]
             s = summarise(mine)
             runs = max(s["calls"], 1)
-            cells.append(f"{(s['turns'] - s['continued']) / runs:g} ({s['turns'] / runs:g})")
+            heard = said_over[mode].get(call["name"], [])
+            cells.append(f"{(s['turns'] - s['continued']) / runs:g} ({s['turns'] / runs:g})"
+                         + (f"; {len(heard)} false start(s), {sum(heard):g} ms heard"
+                            if heard else ""))
         lines.append(f"| {call['name']} | {len(call['turns'])} | " + " | ".join(cells) + " |")
     return ("Answered turns per call (all turns, with those that went on with the one before), "
-            "averaged over the repeats:\n\n" + "\n".join(lines))
+            "averaged over the repeats; and the bot's speech that began inside the caller's "
+            "sentence (false starts), summed over the repeats:\n\n" + "\n".join(lines))
 
 
 def render(summary: dict[str, dict]) -> str:
@@ -232,13 +244,14 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
     voice = shared.speech.voice  # the caller speaks with the bot's voice
     speech = speech_per_variant(cfg, variants, shared.speech, say)
     turns: dict[str, list] = {v.name: [] for v in variants}
+    said_over: dict[str, dict[str, list[float]]] = {v.name: {} for v in variants}
     before = {name: await chat.speculation() for name, chat in remotes.items()}
     bar = progress_bar(repeats * len(script["calls"]) * len(variants), "bench call", "call")
     store = open_store(cfg)  # the bench's calls show on the dashboard like any other
     try:
         for r in range(repeats):
             for i, call in enumerate(script["calls"]):
-                audio = caller_audio(voice, call["turns"])
+                audio, said = caller_audio(voice, call["turns"])
                 call_cfg = cfg.model_copy(deep=True)
                 if "system_prompt" in call:
                     call_cfg.agent.system_prompt = call["system_prompt"]
@@ -251,8 +264,12 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                     result = await simulate_call(v.configure(call_cfg), models, audio,
                                                  method=v.method, store=store)
                     went_on = sum(t.continues for t in result.turns)
+                    heard = false_starts(result.bot, RATE, said)
+                    said_over[v.name].setdefault(call["name"], []).extend(heard)
                     say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)"
-                        + (f", {went_on} going on with the one before" if went_on else ""))
+                        + (f", {went_on} going on with the one before" if went_on else "")
+                        + (f", the bot began inside the caller's sentence {len(heard)} time(s)"
+                           f" ({sum(heard)} ms heard)" if heard else ""))
                     bar.update()
                     turns[v.name] += [dict(t.to_dict(), script_call=call["name"])
                                       for t in result.turns]
@@ -268,7 +285,7 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                 models.close()
     spec = {name: counted_during(before[name], await chat.speculation())
             for name, chat in remotes.items()}
-    return turns, spec, floor
+    return turns, said_over, spec, floor
 
 
 def run_call_bench(cfg: Config, args) -> int:
@@ -285,7 +302,8 @@ def run_call_bench(cfg: Config, args) -> int:
     except RemoteLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    turns, remote_spec, floor = asyncio.run(_run(cfg, script, variants, args.repeats, remotes))
+    turns, said_over, remote_spec, floor = asyncio.run(
+        _run(cfg, script, variants, args.repeats, remotes))
     summary = {m: summarise(t) for m, t in turns.items()}
     tools = {m: tool_turns(t) for m, t in turns.items()}
     stamp = utc_stamp()
@@ -296,8 +314,10 @@ def run_call_bench(cfg: Config, args) -> int:
         header += f"- {name}: `{chat.model}` on {redact(chat.cfg.base_url)}; {remote_spec[name]}\n"
     header += "\n"
     markdown = (header + render(summary) + "\n\n" + render_floor(floor, summary) + "\n\n"
-                + render_tool_turns(tools) + "\n\n" + render_answers(turns, script) + "\n")
+                + render_tool_turns(tools) + "\n\n" + render_answers(turns, said_over, script)
+                + "\n")
     save_results(args.out, "call", stamp, markdown,
                  {"summary": summary, "tool_turns": tools, "floor": floor, "turns": turns,
+                  "false_starts_ms": said_over,
                   "config": cfg.model_dump(mode="json")})
     return 0

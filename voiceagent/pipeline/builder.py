@@ -2,12 +2,12 @@
 
     transport.input() -> PausingVADProcessor (Silero) -> StreamingWhisperSTTService
       -> DTMFAggregator -> user aggregator -> ChatLLMService -> ClausePiperTTSService
-      -> HeldReplyGate -> transport.output() -> assistant aggregator
+      -> HeldReplyGate -> OnsetHold -> transport.output() -> assistant aggregator
 
 Early preparation (turn.prepare) runs through it: the VAD reports the caller's pause, the STT
 transcribes it as an eager end of turn, the user aggregator's stop strategy (turns.py) starts a
 reply from a provisional context, and the gate after the TTS holds that reply until the turn is
-confirmed.
+confirmed. The hold after it keeps a reply from starting over a caller whose voice is rising.
 
 The LLM (the in-process engine, or a client of a remote OpenAI-compatible server: `llm.backend`)
 and the speech models (ASR, TTS, VAD, Smart Turn) are loaded once per process (`SharedModels`)
@@ -45,6 +45,7 @@ from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import ChatLLMService
+from voiceagent.pipeline.onset_hold import OnsetHold
 from voiceagent.pipeline.recording import call_recorder, recordings_dir
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.pipeline.speech_models import SpeechModels
@@ -227,6 +228,7 @@ def build_call(
         llm,
         make_tts(cfg.tts, speech.voice, speech.tts_worker),
         HeldReplyGate(),
+        *([OnsetHold()] if cfg.turn.yield_to_voice else []),
         *before_output,
         transport.output(),
         *([call_recorder(recordings_dir(cfg), call_id)] if cfg.store.audio else []),

@@ -40,6 +40,17 @@ class UserSpeechResumedFrame(SystemFrame):
 
 
 @dataclass
+class UserVoiceRisingFrame(SystemFrame):
+    """The VAD's first voiced window after quiet: the caller may be starting to speak. The VAD
+    confirms speech (VADUserStartedSpeakingFrame) only `start_secs` later, or falls back."""
+
+
+@dataclass
+class UserVoiceFellFrame(SystemFrame):
+    """The voice of a UserVoiceRisingFrame fell quiet before the VAD confirmed it as speech."""
+
+
+@dataclass
 class UserWordsSoFarFrame(DataFrame):
     """The words of the caller's utterance that two interim transcripts agree on, so far: the
     LLM service prefills them while the caller speaks (incremental prefill)."""

@@ -27,6 +27,8 @@ from voiceagent.pipeline.frames import (
     UserSpeechOnsetFrame,
     UserSpeechPausedFrame,
     UserSpeechResumedFrame,
+    UserVoiceFellFrame,
+    UserVoiceRisingFrame,
 )
 
 VOICED_RMS = 328  # -40 dBFS (16-bit): a window this loud carries sound, not line silence
@@ -56,6 +58,9 @@ class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
         self._loud_from: int | None = None  # where the run of loud windows up to now began
         self._quiet_bytes = 0  # quiet audio since the last loud window
         self._in_speech = False  # the VAD was speaking (or counting down its stop) last window
+        # Silero is confident of the last window: the VAD's own start also waits for a smoothed
+        # volume, which lags a word's onset by ~150 ms.
+        self.voiced = False
         # The byte offset, in the audio analysed so far, of the first voiced window of the speech
         # now starting (None while quiet): the run of loud windows that leads into the first
         # window Silero is confident of, at most ONSET_BACKTRACK_S back. Silero's confidence
@@ -65,6 +70,7 @@ class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
 
     def voice_confidence(self, buffer) -> float:
         confidence = super().voice_confidence(buffer)
+        self.voiced = confidence >= self._params.confidence
         start, self._analysed_bytes = self._analysed_bytes, self._analysed_bytes + len(buffer)
         if self._vad_state not in (VADState.QUIET, VADState.STARTING):
             self._in_speech = True
@@ -86,6 +92,12 @@ class RegistrySileroVADAnalyzer(SileroVADAnalyzer):
             loud = self._loud_from if self._loud_from is not None else start
             self.onset_byte = max(loud, earliest, 0)
         return confidence
+
+    @property
+    def rising(self) -> bool:
+        """The caller's voice may be starting: quiet, or starting, with a voiced last window."""
+        return self._vad_state == VADState.STARTING or (
+            self._vad_state == VADState.QUIET and self.voiced)
 
     @property
     def state(self) -> VADState:
@@ -115,13 +127,16 @@ class PausingVADProcessor(VADProcessor):
     Frames out, besides VADProcessor's: UserSpeechOnsetFrame just before each
     VADUserStartedSpeakingFrame, UserSpeechPausedFrame at the first silent window after speech
     (the VAD is then counting down its `stop_secs`), UserSpeechResumedFrame when speech comes back
-    before the VAD stop. All are broadcast, as the VAD frames are.
+    before the VAD stop, UserVoiceRisingFrame at the first voiced window after quiet and
+    UserVoiceFellFrame when it falls quiet again unconfirmed. All are broadcast, as the VAD frames
+    are.
     """
 
     def __init__(self, *, vad_analyzer: RegistrySileroVADAnalyzer, **kwargs):
         super().__init__(vad_analyzer=vad_analyzer, **kwargs)
         self._analyzer = vad_analyzer
         self._state = VADState.QUIET
+        self._rising = False
         self._received_bytes = 0
         self._bytes_per_s = 0
         # The pipeline clock at the stream's position 0: the least, over the call, of a frame's
@@ -150,7 +165,13 @@ class PausingVADProcessor(VADProcessor):
         if not isinstance(frame, InputAudioRawFrame):
             return
         state, self._state = self._state, self._analyzer.state
+        was_rising, self._rising = self._rising, self._analyzer.rising
         if state == VADState.SPEAKING and self._state == VADState.STOPPING:
             await self.broadcast_frame(UserSpeechPausedFrame)
         elif state == VADState.STOPPING and self._state == VADState.SPEAKING:
             await self.broadcast_frame(UserSpeechResumedFrame)
+        elif state == VADState.QUIET and not was_rising and (
+                self._rising or self._state == VADState.SPEAKING):
+            await self.broadcast_frame(UserVoiceRisingFrame)
+        elif was_rising and not self._rising and self._state == VADState.QUIET:
+            await self.broadcast_frame(UserVoiceFellFrame)

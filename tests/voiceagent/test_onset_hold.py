@@ -1,0 +1,125 @@
+"""OnsetHold in pipecat's run_test harness, and the VAD frames it hears, on synthesised speech."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from pipecat.frames.frames import (
+    AudioBufferStartRecordingFrame,
+    EndFrame,
+    InputAudioRawFrame,
+    InterruptionFrame,
+    TTSAudioRawFrame,
+    TTSTextFrame,
+    VADUserStartedSpeakingFrame,
+)
+from pipecat.tests.utils import SleepFrame, run_test
+
+from audio.config import VADConfig
+from audio.wav import frames
+from tests.audio.speech import silence, speech
+from voiceagent.pipeline.frames import (
+    UserSpeechOnsetFrame,
+    UserSpeechPausedFrame,
+    UserVoiceFellFrame,
+    UserVoiceRisingFrame,
+)
+from voiceagent.pipeline.onset_hold import OnsetHold
+from voiceagent.pipeline.vad import PausingVADProcessor, load_vad_model, make_vad
+
+RATE = 16000
+
+
+def _audio(seconds: float = 0.25) -> TTSAudioRawFrame:
+    return TTSAudioRawFrame(audio=bytes(2 * int(RATE * seconds)), sample_rate=RATE,
+                            num_channels=1, context_id="c")
+
+
+def _marker() -> UserSpeechOnsetFrame:
+    """A system frame: it passes at once, so frames before it in the output were not held."""
+    return UserSpeechOnsetFrame(onset_ns=0)
+
+
+async def _run(frames_to_send, **kwargs) -> list:
+    down, _ = await asyncio.wait_for(
+        run_test(OnsetHold(), frames_to_send=frames_to_send, **kwargs), 30)
+    return [type(f) for f in down]
+
+
+async def test_the_bot_does_not_start_while_the_callers_voice_rises_and_plays_when_it_falls():
+    down = await _run([UserVoiceRisingFrame(), _audio(), _audio(), SleepFrame(0.1), _marker(),
+                       UserVoiceFellFrame()])
+    assert TTSAudioRawFrame not in down[:down.index(UserSpeechOnsetFrame)]  # it waited
+    assert down.count(TTSAudioRawFrame) == 2  # then all of it played, in order
+
+
+async def test_speech_that_interrupts_drops_the_held_reply_but_not_an_uninterruptible_frame():
+    down = await _run([UserVoiceRisingFrame(), _audio(), AudioBufferStartRecordingFrame(),
+                       TTSTextFrame("The", "word", context_id="c"), SleepFrame(0.1),
+                       VADUserStartedSpeakingFrame(), InterruptionFrame(),
+                       UserSpeechPausedFrame()])
+    assert TTSAudioRawFrame not in down and TTSTextFrame not in down
+    assert AudioBufferStartRecordingFrame in down  # pipecat's queues keep it, and so do we
+
+
+async def test_audio_already_playing_goes_on_over_the_callers_voice():
+    down = await _run([_audio(1.0), SleepFrame(0.05), UserVoiceRisingFrame(), _audio(),
+                       SleepFrame(0.1),
+                       _marker()])
+    assert down[:down.index(UserSpeechOnsetFrame)].count(TTSAudioRawFrame) == 2
+
+
+async def test_a_silent_line_lets_the_reply_start_at_once():
+    down = await _run([UserVoiceRisingFrame(), UserVoiceFellFrame(), _audio(), SleepFrame(0.1),
+                       _marker()])
+    assert TTSAudioRawFrame in down[:down.index(UserSpeechOnsetFrame)]
+
+
+async def test_the_end_of_the_call_lets_the_held_reply_out_first():
+    down = await _run([UserVoiceRisingFrame(), _audio(), EndFrame()], send_end_frame=False)
+    assert down.index(TTSAudioRawFrame) < down.index(EndFrame)
+
+
+# The VAD frames, from Silero on synthesised speech
+
+
+@pytest.fixture(scope="module")
+def vad_model():
+    return load_vad_model(VADConfig())
+
+
+async def _vad_frames(vad_model, samples: np.ndarray) -> list:
+    """The frames out of the VAD, each 20 ms audio frame as the class InputAudioRawFrame."""
+    vad = PausingVADProcessor(vad_analyzer=make_vad(VADConfig(), vad_model))
+    send = [InputAudioRawFrame(c.tobytes(), RATE, 1) for c in frames(samples, RATE)]
+    down, _ = await asyncio.wait_for(run_test(vad, frames_to_send=send), 60)
+    return [type(f) for f in down]
+
+
+def _ms_at(down: list, frame_type) -> int:
+    """The audio received before `frame_type` came out, in ms."""
+    return 20 * down[:down.index(frame_type)].count(InputAudioRawFrame)
+
+
+async def test_the_voice_rises_at_the_first_word_before_the_vad_confirms_speech(vad_model):
+    words = speech("What is the capital of France?")
+    onset_ms = 500 + 1000 * np.flatnonzero(np.abs(words) > 1000)[0] // RATE
+    audio = np.concatenate([silence(0.5), words, silence(1.0)])
+    down = await _vad_frames(vad_model, audio)
+    # Silero's windows are 32 ms: the first confident one, not the smoothed volume the VAD's
+    # own start waits for (~150 ms later)
+    assert _ms_at(down, UserVoiceRisingFrame) - onset_ms <= 100
+    assert _ms_at(down, UserVoiceRisingFrame) < _ms_at(down, VADUserStartedSpeakingFrame)
+    assert UserVoiceFellFrame not in down[:down.index(VADUserStartedSpeakingFrame)]
+
+
+async def test_a_voiced_blip_too_short_for_speech_rises_and_falls(vad_model):
+    word = speech("Yes.")
+    voiced = np.flatnonzero(np.abs(word) > 1000)
+    blip = word[voiced[0]:voiced[0] + int(0.08 * RATE)]  # 80 ms: under start_secs (0.2 s)
+    down = await _vad_frames(vad_model, np.concatenate([silence(0.5), blip, silence(0.5)]))
+    assert VADUserStartedSpeakingFrame not in down
+    assert UserVoiceRisingFrame in down
+    assert down.index(UserVoiceRisingFrame) < down.index(UserVoiceFellFrame)
