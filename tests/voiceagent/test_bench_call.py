@@ -103,6 +103,8 @@ def test_false_starts_are_the_bots_speech_begun_inside_the_callers_sentence():
     heard = false_starts(_bot(16000, (2.0, 2.3), (4.5, 5.5)), 16000, said)
     assert heard == [300]  # the reply after the sentence is not one
     assert false_starts(_bot(16000, (0.0, 1.0)), 16000, said) == []  # talking before: a barge-in
+    # ... even when the caller begins in the pause between two of the bot's sentences
+    assert false_starts(_bot(16000, (0.0, 0.4), (0.75, 1.5)), 16000, said) == []
 
 
 def test_the_scripted_callers_hesitation_is_one_sentence_on_its_timeline():

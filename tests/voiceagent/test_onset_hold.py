@@ -42,9 +42,9 @@ def _marker() -> UserSpeechOnsetFrame:
     return UserSpeechOnsetFrame(onset_ns=0)
 
 
-async def _run(frames_to_send, **kwargs) -> list:
+async def _run(frames_to_send, max_hold_s: float = 5.0, **kwargs) -> list:
     down, _ = await asyncio.wait_for(
-        run_test(OnsetHold(), frames_to_send=frames_to_send, **kwargs), 30)
+        run_test(OnsetHold(max_hold_s), frames_to_send=frames_to_send, **kwargs), 30)
     return [type(f) for f in down]
 
 
@@ -75,6 +75,22 @@ async def test_a_silent_line_lets_the_reply_start_at_once():
     down = await _run([UserVoiceRisingFrame(), UserVoiceFellFrame(), _audio(), SleepFrame(0.1),
                        _marker()])
     assert TTSAudioRawFrame in down[:down.index(UserSpeechOnsetFrame)]
+
+
+async def test_a_voice_that_never_resolves_holds_the_bot_no_longer_than_the_bound():
+    down = await _run([UserVoiceRisingFrame(), _audio(), SleepFrame(0.5), _marker()],
+                      max_hold_s=0.2)
+    assert TTSAudioRawFrame in down[:down.index(UserSpeechOnsetFrame)]  # out after 0.2 s
+    down = await _run([UserVoiceRisingFrame(), _audio(), SleepFrame(0.1), _marker()],
+                      max_hold_s=0.5)
+    assert TTSAudioRawFrame not in down[:down.index(UserSpeechOnsetFrame)]  # not before it
+
+
+async def test_confirmed_speech_holds_the_bot_until_it_pauses():
+    down = await _run([VADUserStartedSpeakingFrame(), _audio(), SleepFrame(0.1), _marker(),
+                       UserSpeechPausedFrame()])
+    assert TTSAudioRawFrame not in down[:down.index(UserSpeechOnsetFrame)]
+    assert TTSAudioRawFrame in down
 
 
 async def test_the_end_of_the_call_lets_the_held_reply_out_first():
@@ -110,7 +126,7 @@ async def test_the_voice_rises_at_the_first_word_before_the_vad_confirms_speech(
     down = await _vad_frames(vad_model, audio)
     # Silero's windows are 32 ms: the first confident one, not the smoothed volume the VAD's
     # own start waits for (~150 ms later)
-    assert _ms_at(down, UserVoiceRisingFrame) - onset_ms <= 100
+    assert -40 <= _ms_at(down, UserVoiceRisingFrame) - onset_ms <= 100  # not in the silence
     assert _ms_at(down, UserVoiceRisingFrame) < _ms_at(down, VADUserStartedSpeakingFrame)
     assert UserVoiceFellFrame not in down[:down.index(VADUserStartedSpeakingFrame)]
 

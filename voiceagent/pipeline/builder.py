@@ -45,7 +45,7 @@ from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.failover import FailoverChat
 from voiceagent.pipeline.held_reply import HeldReplyGate
 from voiceagent.pipeline.llm_service import ChatLLMService
-from voiceagent.pipeline.onset_hold import OnsetHold
+from voiceagent.pipeline.onset_hold import HOLD_MARGIN_S, OnsetHold
 from voiceagent.pipeline.recording import call_recorder, recordings_dir
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
 from voiceagent.pipeline.speech_models import SpeechModels
@@ -228,7 +228,7 @@ def build_call(
         llm,
         make_tts(cfg.tts, speech.voice, speech.tts_worker),
         HeldReplyGate(),
-        *([OnsetHold()] if cfg.turn.yield_to_voice else []),
+        *([OnsetHold(cfg.vad.start_secs + HOLD_MARGIN_S)] if cfg.turn.yield_to_voice else []),
         *before_output,
         transport.output(),
         *([call_recorder(recordings_dir(cfg), call_id)] if cfg.store.audio else []),

@@ -136,7 +136,7 @@ class PausingVADProcessor(VADProcessor):
         super().__init__(vad_analyzer=vad_analyzer, **kwargs)
         self._analyzer = vad_analyzer
         self._state = VADState.QUIET
-        self._rising = False
+        self._rising = False  # a UserVoiceRisingFrame is out, not yet confirmed or fallen
         self._received_bytes = 0
         self._bytes_per_s = 0
         # The pipeline clock at the stream's position 0: the least, over the call, of a frame's
@@ -165,13 +165,16 @@ class PausingVADProcessor(VADProcessor):
         if not isinstance(frame, InputAudioRawFrame):
             return
         state, self._state = self._state, self._analyzer.state
-        was_rising, self._rising = self._rising, self._analyzer.rising
         if state == VADState.SPEAKING and self._state == VADState.STOPPING:
             await self.broadcast_frame(UserSpeechPausedFrame)
         elif state == VADState.STOPPING and self._state == VADState.SPEAKING:
             await self.broadcast_frame(UserSpeechResumedFrame)
-        elif state == VADState.QUIET and not was_rising and (
-                self._rising or self._state == VADState.SPEAKING):
+        rising = self._analyzer.rising
+        if self._state in (VADState.SPEAKING, VADState.STOPPING):
+            self._rising = False  # confirmed: the VAD's own frames speak for it now
+        elif rising and not self._rising:
+            self._rising = True
             await self.broadcast_frame(UserVoiceRisingFrame)
-        elif was_rising and not self._rising and self._state == VADState.QUIET:
+        elif self._rising and not rising and self._state == VADState.QUIET:
+            self._rising = False
             await self.broadcast_frame(UserVoiceFellFrame)
