@@ -12,7 +12,14 @@ import pytest
 from tests.audio.speech import misheard
 from tests.voiceagent.test_preparation import _caller
 from voiceagent.config import load_config
-from voiceagent.pipeline.turns import sounds_unfinished
+from voiceagent.pipeline.turns import (
+    FINISHED,
+    UNFINISHED,
+    UNSURE,
+    HoldingSpeechTimeoutStopStrategy,
+    ending,
+    sounds_unfinished,
+)
 from voiceagent.pipeline.utterance_end import UtteranceEnd, normalise
 from voiceagent.sim.call import simulate_call
 
@@ -36,11 +43,23 @@ def test_words_that_sound_unfinished(text, unfinished):
     assert sounds_unfinished(text) is unfinished
 
 
+@pytest.mark.parametrize("text, end", [
+    ("What is the capital?", FINISHED),
+    ("I'd like a pizza and", UNFINISHED),
+    ("My phone number is 555.", UNFINISHED),
+    ("of Spain and why is it there", UNSURE),  # Whisper left a finished fragment bare
+    ("I need help with my order from last", UNSURE),
+])
+def test_words_without_closing_punctuation_leave_the_end_open(text, end):
+    assert ending(text) == end
+
+
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     return load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}",
                               f"vad.stop_secs={STOP_S}", f"turn.unfinished_hold_s={HOLD_S}",
-                              "turn.prepare=true", "turn.unfinished_logprob=-20"])
+                              "turn.prepare=true", "turn.unfinished_logprob=-20",
+                              "turn.unfinished_cue=always"])
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +115,8 @@ def test_the_words_are_scored_as_said():
 @pytest.mark.parametrize("text, unfinished", [
     ("What is the capital?", True),
     ("I would like to", True),
+    ("I need help with my order from last", True),
+    ("of Spain and why is it there", False),
     ("What is the capital of France?", False),
     ("Hi, my order hasn't arrived yet. Can you help me?", False),
     ("Thank you.", False),
@@ -109,3 +130,25 @@ def test_the_target_hears_which_messages_go_on(shared, text, unfinished):
             cue.close()
 
     assert asyncio.run(ask()) is unfinished
+
+
+@pytest.mark.parametrize("text, always, held", [
+    ("of Spain and why is it there", False, False),  # bare, and the target hears it finished
+    ("I need help with my order from last", False, True),  # bare, and it goes on
+    ("What is the capital?", False, False),  # punctuated: the words decide, unscored
+    ("What is the capital?", True, True),  # turn.unfinished_cue: always scores it too
+])
+def test_the_target_decides_the_turns_the_words_leave_open(shared, text, always, held):
+    async def decide():
+        cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -20.0)
+        strategy = HoldingSpeechTimeoutStopStrategy(hold_s=1.0, utterance_end=cue,
+                                                    cue_always=always)
+        try:
+            cue.prefetch(text)
+            while not cue.ready(text):  # scored, however loaded the machine
+                await asyncio.sleep(0.01)
+            return await strategy._sounds_unfinished(text)
+        finally:
+            cue.close()
+
+    assert asyncio.run(decide()) is held

@@ -53,18 +53,30 @@ CONTINUING = frozenset(
     "um uh er erm hmm".split())
 
 
-def sounds_unfinished(text: str) -> bool:
-    """Whether the caller's words so far stop where a sentence does not end: on a word like
-    "and" or "the" or a filler, on no closing punctuation (Whisper punctuates what it hears as
-    finished), or on a short group of digits (a number read out in groups: "555, 1234")."""
+UNFINISHED, UNSURE, FINISHED = "unfinished", "unsure", "finished"
+
+
+def ending(text: str) -> str:
+    """How the caller's words so far end: UNFINISHED on a word like "and" or "the" or a filler,
+    a trailing comma or dash, or a short group of digits (a number read out in groups: "555,
+    1234"); FINISHED on closing punctuation (Whisper punctuates what it hears as finished);
+    UNSURE with none: Whisper also leaves the end of a finished fragment bare ("of Spain and why
+    is it there")."""
     text = text.strip()
     if not text:
-        return False
-    if text.endswith(("...", "…", "-", ",")) or text[-1] not in ".?!":
-        return True
+        return FINISHED
+    if text.endswith(("...", "…", "-", ",")):
+        return UNFINISHED
     words = re.findall(r"[\w']+", text.lower())
     last = words[-1] if words else ""
-    return last in CONTINUING or (last.isdigit() and len(last) <= 4)
+    if last in CONTINUING or (last.isdigit() and len(last) <= 4):
+        return UNFINISHED
+    return FINISHED if text[-1] in ".?!" else UNSURE
+
+
+def sounds_unfinished(text: str) -> bool:
+    """Whether the words alone make the turn wait for more: unfinished, or unsure."""
+    return ending(text) != FINISHED
 
 
 class _HeardWords(BaseUserTurnStopStrategy):
@@ -182,17 +194,19 @@ class _Preparing(_HeardWords):
 
 class _HoldingUnfinished(_HeardWords):
     """Adds the transcript's own cue to a stop strategy: a turn whose words sound unfinished
-    (`sounds_unfinished`, or the language model's `UtteranceEnd` where one is given) waits
+    (`ending`; where the words leave it open, or with `cue_always` on every turn, the language
+    model's `UtteranceEnd` decides where one is given) waits
     `hold_s` more for the caller to go on before it ends, so the VAD's hangover can be short for
     a finished question and still long enough for "and, um" or "What is the capital ... of
     Spain". Speech in the meantime cancels the hold (the VAD's start resets the strategy)."""
 
     def __init__(self, *, hold_s: float = 0.0, utterance_end: UtteranceEnd | None = None,
-                 **kwargs):
+                 cue_always: bool = False, **kwargs):
         super().__init__(**kwargs)
         self._hold_s = hold_s
         self._hold: asyncio.Task | None = None
         self._utterance_end = utterance_end if hold_s > 0 else None
+        self._cue_always = cue_always  # the cue also on words that end finished
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
         if isinstance(frame, VADUserStartedSpeakingFrame):
@@ -204,16 +218,18 @@ class _HoldingUnfinished(_HeardWords):
         elif isinstance(frame, (EagerTranscriptionFrame, TranscriptionFrame)) and \
                 self._utterance_end:
             # Scored during the hangover, on the words the turn's end will be decided on.
-            self._utterance_end.prefetch(" ".join([*self._finals, frame.text]))
+            words = " ".join([*self._finals, frame.text])
+            if self._asks_cue(ending(words)):
+                self._utterance_end.prefetch(words)
         return await super().process_frame(frame)
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         text = " ".join(self._finals)
         if self._hold_s > 0 and self._hold is None and (
-                self._utterance_end is not None or sounds_unfinished(text)):
+                sounds_unfinished(text) or self._asks_cue(ending(text))):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
-            if self._utterance_end is not None and not self._utterance_end.ready(text):
+            if self._asks_cue(ending(text)) and not self._utterance_end.ready(text):
                 await self._prepare_while_deciding()  # the reply need not wait for the score
             self._hold = self.task_manager.create_task(
                 self._held(text, enable_user_speaking_frames), f"{self}::unfinished_hold")
@@ -228,16 +244,21 @@ class _HoldingUnfinished(_HeardWords):
         await super().trigger_user_turn_stopped(
             enable_user_speaking_frames=enable_user_speaking_frames)
 
+    def _asks_cue(self, end: str) -> bool:
+        """Whether the language model's cue decides words that end so: where the words leave it
+        open (UNSURE), or on every turn not plainly unfinished with `cue_always`."""
+        return self._utterance_end is not None and (
+            end == UNSURE or (self._cue_always and end == FINISHED))
+
     async def _sounds_unfinished(self, text: str) -> bool:
-        if sounds_unfinished(text):
-            return True
-        if self._utterance_end is None:
-            return False
+        end = ending(text)
+        if not self._asks_cue(end):
+            return end != FINISHED
         try:  # the score is usually ready; an engine busy for longer must not hold the turn
             return await asyncio.wait_for(self._utterance_end.unfinished(text), SCORE_WAIT_S)
         except TimeoutError:
             logger.debug(f"{self}: no end-of-utterance score within {SCORE_WAIT_S} s")
-            return False
+            return end != FINISHED  # as the words alone say
 
     async def handle_user_turn_started(self):
         await self._stop_hold()
@@ -390,7 +411,7 @@ def _stop_strategy(cfg: TurnConfig, smart_turn_session,
     # and the STT's finalized transcript releases the turn at once, unless its words sound
     # unfinished.
     holding = {"user_speech_timeout": 0, "hold_s": cfg.unfinished_hold_s,
-               "utterance_end": utterance_end}
+               "utterance_end": utterance_end, "cue_always": cfg.unfinished_cue == "always"}
     if cfg.prepare:
         return PreparingSpeechTimeoutStopStrategy(**holding)
     return HoldingSpeechTimeoutStopStrategy(**holding)

@@ -13,7 +13,10 @@ transcript, during the hangover, so that at the VAD stop it is usually ready; wh
 the reply starts on the words as they stand while the score decides. Measured on the embedded
 SmolLM2-135M-Instruct: finished sentences score -1 to -18, fragments ("what is the capital",
 "i would like to") -19 to -27. In a call on 2 cores a score takes 90-120 ms (it shares the worker
-and the cores with the reply and Whisper), which is why the cue is off by default there.
+and the cores with the reply and Whisper), so by default (`turn.unfinished_cue: unsure`) only the
+turns whose words leave the end open are scored: no closing punctuation, where the words alone
+would hold the turn ("of Spain and why is it there" scores -6: it is spared the hold; "i need
+help with my order from last" -27: it is held).
 """
 
 from __future__ import annotations
