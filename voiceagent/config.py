@@ -151,9 +151,9 @@ class TurnConfig(BaseModel):
     # it off. Both 0: any speech the VAD hears interrupts at once.
     min_interrupt_s: float = Field(0.0, ge=0)
     min_interrupt_words: int = Field(0, ge=0)
-    # Speech that interrupts a reply within this long (seconds) of its commit, before any of
-    # its audio, or of its first audio, with none of its clauses played to the end, goes on with
-    # the caller's sentence: "What is the capital" / "The" / "of Spain?". The reply is withdrawn
+    # Speech that interrupts a reply before any of its audio was heard, or within this long
+    # (seconds) of its first audio with none of its clauses played to the end, goes on with the
+    # caller's sentence: "What is the capital" / "The" / "of Spain?". The reply is withdrawn
     # and their words before and after are one message (continuation.py). Later speech is a
     # barge-in (a new turn). 0: every interruption starts a new turn.
     continue_within_s: float = Field(1.0, ge=0)

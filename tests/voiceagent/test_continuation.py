@@ -45,7 +45,7 @@ def test_a_heard_clause_or_a_tool_call_between_keeps_the_messages_apart():
     assert joined([_user("Hello"), _bot("")], {0}) == [_user("Hello"), _bot("")]
 
 
-def test_speech_soon_after_the_commit_or_the_first_audio_continues_and_later_speech_does_not():
+def test_speech_before_the_reply_is_heard_or_soon_after_continues_and_later_speech_does_not():
     clock = Clock()
     messages = [_user("Hello"), _bot("Hi!"), _user("What is the capital?")]
     unheard = Continuations(1.0, clock)
@@ -53,6 +53,12 @@ def test_speech_soon_after_the_commit_or_the_first_audio_continues_and_later_spe
     clock.now += 0.6  # nothing sent yet
     unheard.interrupted(messages)
     assert unheard.joins == {2}
+
+    held = Continuations(1.0, clock)
+    held.committed()
+    clock.now += 2.5  # nothing heard yet, however long: its audio waited, or is slow to come
+    held.interrupted(messages)
+    assert held.joins == {2}
 
     slow = Continuations(1.0, clock)
     slow.committed()

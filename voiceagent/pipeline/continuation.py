@@ -4,9 +4,10 @@
 the turn ended at the pause, the reply began, and the caller's next words interrupt it. Heard
 as a barge-in, that is two turns: the model sees "What is the capital?", a cut-off "The", and
 "of Spain?", and answers the fragment. A person would take the words as one sentence and drop
-the answer they had begun. So when the caller speaks again within `turn.continue_within_s` of
-the reply's commit (nothing sent yet) or of its first audio, and before any of its clauses was
-played to the end, the interrupted reply is withdrawn from what the model sees and the caller's
+the answer they had begun. So when the caller speaks again before any of the reply's audio was
+heard (it may be held while their voice rises: onset_hold.py), or within
+`turn.continue_within_s` of its first audio and before any of its clauses was played to the end,
+the interrupted reply is withdrawn from what the model sees and the caller's
 message before it and the one after are joined: one message, one answer. Later speech is a
 barge-in as before, and so is speech after a clause the caller heard ("No." / "Why not?"). A
 reply that ran a tool is never withdrawn this way: its side effects happened.
@@ -59,12 +60,14 @@ class Continuations:
         """The caller interrupted the reply: if they may be going on with the sentence it
         answered, the last user message in `messages` (the call's context) joins the next one,
         as long as nothing of the reply is written between (`joined`)."""
-        since = self._heard_at if self._heard_at is not None else self._committed_at
+        committed, heard = self._committed_at, self._heard_at
         self._committed_at = self._heard_at = None
-        if self.within_s <= 0 or since is None or self._ran_tools:
+        if self.within_s <= 0 or committed is None or self._ran_tools:
             return
-        if self._clock() - since <= self.within_s and (last := _last_user(messages)) is not None:
-            self.joins.add(last)
+        # Nothing of the reply heard yet: the caller cannot be answering it, however long it took.
+        if heard is None or self._clock() - heard <= self.within_s:
+            if (last := _last_user(messages)) is not None:
+                self.joins.add(last)
 
 
 def joined(messages: Sequence[Any], joins: Collection[int]) -> list[Any]:
