@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from voiceagent.pipeline.vad import VOICED_RMS  # a window this loud carries sound
+
 SENTENCE_PAUSE_S = 1.0  # a pause in the script shorter than this goes on with the sentence
-VOICED_RMS = 300  # a 10 ms window this loud (16-bit) carries speech, not line silence
 # Quiet this short inside the bot's speech is a pause between its words or sentences (Piper holds
 # ~350 ms at a comma): the same stretch of speech, not a new start.
 PAUSE_GAP_S = 0.5

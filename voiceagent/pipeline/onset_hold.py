@@ -62,7 +62,6 @@ class OnsetHold(FrameProcessor):
         self._held: list[Frame] = []
         self._timer: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # the bound's release and the frames keep their order
-        self.holds = 0  # times the bot's start was held (for tests and logs)
 
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         await super().process_frame(frame, direction)
@@ -99,7 +98,6 @@ class OnsetHold(FrameProcessor):
 
     def _hold(self, frame: Frame) -> None:
         if not self._held:
-            self.holds += 1
             logger.debug(f"{self}: the caller's voice is rising: the bot's speech waits")
             self._timer = self.create_task(self._bound(), f"{self}::bound")
         self._held.append(frame)

@@ -74,11 +74,6 @@ def ending(text: str) -> str:
     return FINISHED if text[-1] in ".?!" else UNSURE
 
 
-def sounds_unfinished(text: str) -> bool:
-    """Whether the words alone make the turn wait for more: unfinished, or unsure."""
-    return ending(text) != FINISHED
-
-
 class _HeardWords(BaseUserTurnStopStrategy):
     """Keeps the turn's final transcript segments (`_finals`), kept before the base strategy
     sees each one. The turn's transcript is these joined by spaces, as the user aggregator writes
@@ -225,11 +220,11 @@ class _HoldingUnfinished(_HeardWords):
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         text = " ".join(self._finals)
-        if self._hold_s > 0 and self._hold is None and (
-                sounds_unfinished(text) or self._asks_cue(ending(text))):
+        end = ending(text)
+        if self._hold_s > 0 and self._hold is None and (end != FINISHED or self._asks_cue(end)):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
-            if self._asks_cue(ending(text)) and not self._utterance_end.ready(text):
+            if self._asks_cue(end) and not self._utterance_end.ready(text):
                 await self._prepare_while_deciding()  # the reply need not wait for the score
             self._hold = self.task_manager.create_task(
                 self._held(text, enable_user_speaking_frames), f"{self}::unfinished_hold")
