@@ -14,6 +14,7 @@ from pipecat.frames.frames import (
     TTSAudioRawFrame,
     TTSTextFrame,
     VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
 )
 from pipecat.tests.utils import SleepFrame, run_test
 
@@ -139,3 +140,31 @@ async def test_a_voiced_blip_too_short_for_speech_rises_and_falls(vad_model):
     assert VADUserStartedSpeakingFrame not in down
     assert UserVoiceRisingFrame in down
     assert down.index(UserVoiceRisingFrame) < down.index(UserVoiceFellFrame)
+
+
+class _ConfidentOnSound:
+    """Silero stand-in: confident of every window with any sound, so a quiet murmur is voiced
+    while the VAD's volume gate keeps it from being speech."""
+
+    def __call__(self, audio, sample_rate):
+        return np.array([0.99 if np.abs(audio).max() > 0 else 0.0], np.float32)
+
+    def reset_states(self):
+        pass
+
+
+def _tone(seconds: float, amplitude: int) -> np.ndarray:
+    t = np.arange(int(seconds * RATE)) / RATE
+    return (amplitude * np.sin(2 * np.pi * 220 * t)).astype(np.int16)
+
+
+async def test_a_voice_still_murmuring_when_speech_stops_rises_again(vad_model):
+    analyzer = make_vad(VADConfig(), vad_model)
+    analyzer._model = _ConfidentOnSound()
+    vad = PausingVADProcessor(vad_analyzer=analyzer)
+    audio = np.concatenate([silence(0.3), _tone(0.8, 12000), _tone(1.5, 60)])
+    send = [InputAudioRawFrame(c.tobytes(), RATE, 1) for c in frames(audio, RATE)]
+    down, _ = await asyncio.wait_for(run_test(vad, frames_to_send=send), 60)
+    kinds = [type(f) for f in down]
+    stop = kinds.index(VADUserStoppedSpeakingFrame)
+    assert UserVoiceRisingFrame in kinds[stop:]  # the murmur after the stop may be speech
