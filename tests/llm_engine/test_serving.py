@@ -137,7 +137,9 @@ async def test_a_stop_string_is_counted_as_stop_not_as_a_cancel(serving, tokeniz
 
 
 async def test_close_cancels_in_flight_requests(target, tokenizer):
-    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=1000)))
+    # No EOS: the random model's greedy reply must not end on its own before the close.
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=1000),
+                                            eos_token_ids=set()))
     handle = engine.submit(_prompt(tokenizer, "Hello"))
     await asyncio.sleep(0.05)
     await asyncio.get_running_loop().run_in_executor(None, engine.close)
