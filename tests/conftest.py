@@ -10,6 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from voiceagent.malloc import ARENAS, cap_arenas  # noqa: E402
+
+# The servers under test run in the test processes, capped as `voiceagent serve` caps. Capped
+# this late (pytest already runs), RSS still wandered ±20 MB over the soak; capped at start-up it
+# stays flat, so xdist's workers (the README's command) start with glibc's own variable.
+cap_arenas()
+os.environ.setdefault("MALLOC_ARENA_MAX", str(ARENAS))
+
 # The modules that take a worker a minute or more (`--durations`), longest first. xdist hands
 # modules out in collection order (`--no-loadscope-reorder` in the addopts), so these start first
 # and the short ones fill in beside them: started last, the 5-minute soak ran alone at the end.

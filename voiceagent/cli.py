@@ -10,6 +10,7 @@ from llm_engine import methods
 from llm_engine.errors import IncompatiblePairError, ModelLoadError
 from voiceagent import logs
 from voiceagent.config import ConfigError, load_config
+from voiceagent.malloc import cap_arenas
 from voiceagent.models import ModelNotFound
 
 
@@ -274,6 +275,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cap_arenas()  # before any model starts a thread
     logs.configure(args.log_level, args.log_json)
     handler = COMMANDS[args.command]
     try:
