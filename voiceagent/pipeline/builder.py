@@ -216,8 +216,10 @@ def build_call(
         continue_within_s=cfg.turn.continue_within_s,
     )
     register_tools(llm, tools, cfg.agent)
+    recorder = call_recorder(recordings_dir(cfg), call_id) if cfg.store.audio else None
     pipeline = Pipeline([
         transport.input(),
+        *([recorder.front()] if recorder else []),
         *after_input,
         PausingVADProcessor(vad_analyzer=make_vad(cfg.vad, speech.vad)),
         make_stt(cfg.asr, speech.whisper, speech.asr_worker, prepare=cfg.turn.prepare),
@@ -231,7 +233,7 @@ def build_call(
         *([OnsetHold(cfg.vad.start_secs + HOLD_MARGIN_S)] if cfg.turn.yield_to_voice else []),
         *before_output,
         transport.output(),
-        *([call_recorder(recordings_dir(cfg), call_id)] if cfg.store.audio else []),
+        *([recorder] if recorder else []),
         aggregators.assistant(),
     ])
     clocks = ClocksObserver(call_id, on_turn)

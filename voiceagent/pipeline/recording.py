@@ -19,7 +19,6 @@ from pipecat.frames.frames import (
     Frame,
     InputAudioRawFrame,
     OutputAudioRawFrame,
-    StartFrame,
 )
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 
@@ -45,7 +44,10 @@ class CallRecorder(FrameProcessor):
 
     pipecat's AudioBufferProcessor lines the two up by when each frame reaches it; the caller's
     frames reach the end of the pipeline late (the VAD and the STT hold them briefly), which put
-    the bot's audio ~80 ms early on its timeline.
+    the bot's audio ~80 ms early on its timeline. For the same reason the timeline's 0 is taken at
+    the front (`front()`, right after the input transport), when the caller's first frame enters:
+    the StartFrame reaches this end after every processor's start, 40 ms later on a loaded
+    machine, which put the bot's audio that much early.
     """
 
     def __init__(self, path: Path | None, call_id: str):
@@ -56,11 +58,17 @@ class CallRecorder(FrameProcessor):
         self._caller: list[tuple[bytes, int]] = []  # (pcm, rate), in order
         self._bot: list[tuple[float, bytes, int]] = []  # (seconds from the start, pcm, rate)
 
+    def front(self) -> FrameProcessor:
+        """The processor that starts the timeline; it goes right after the input transport."""
+        return _TimelineStart(self)
+
+    def start_timeline(self) -> None:
+        if self._t0 is None:
+            self._t0, self._started_at = time.monotonic(), time.time()
+
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         await super().process_frame(frame, direction)
-        if isinstance(frame, StartFrame):
-            self._t0, self._started_at = time.monotonic(), time.time()
-        elif self._t0 is not None and isinstance(frame, InputAudioRawFrame):
+        if self._t0 is not None and isinstance(frame, InputAudioRawFrame):
             self._caller.append((frame.audio, frame.sample_rate))
         elif self._t0 is not None and isinstance(frame, OutputAudioRawFrame):
             self._bot.append((time.monotonic() - self._t0, frame.audio, frame.sample_rate))
@@ -76,6 +84,20 @@ class CallRecorder(FrameProcessor):
             await asyncio.to_thread(_write, self._path, _stereo(caller, bot), self._started_at)
         except OSError as exc:  # a full disk costs the recording, never the call
             logger.error(f"call {self._call_id}: recording not written: {exc}")
+
+
+class _TimelineStart(FrameProcessor):
+    """Starts its recorder's timeline when the caller's first frame passes."""
+
+    def __init__(self, recorder: CallRecorder):
+        super().__init__()
+        self._recorder = recorder
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        if isinstance(frame, InputAudioRawFrame):
+            self._recorder.start_timeline()
+        await self.push_frame(frame, direction)
 
 
 def call_recorder(folder: Path, call_id: str) -> CallRecorder:
