@@ -11,6 +11,9 @@ import httpx
 import numpy as np
 import pytest
 import soundfile
+from pipecat.frames.frames import InputAudioRawFrame, OutputAudioRawFrame
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.tests.utils import SleepFrame, run_test
 
 from tests.audio.speech import silence, speech
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
@@ -20,6 +23,7 @@ from voiceagent.config import load_config
 from voiceagent.dashboard.stats import recording_marks
 from voiceagent.dashboard.store import open_store
 from voiceagent.pipeline.recording import (
+    call_recorder,
     prune_recordings,
     recording_path,
     recordings_dir,
@@ -166,3 +170,20 @@ def test_the_marks_are_each_turns_stages_on_the_recordings_clock():
     assert [s for *_, s in got] == pytest.approx([s for *_, s in want])
     assert [m["mark"] for m in marks if m["turn"] == 2] == ["speech end", "hangover",
                                                             "first audio"]
+
+
+
+async def test_the_timeline_starts_with_the_callers_first_frame_not_the_pipelines_start(tmp_path):
+    """The caller's track is laid by count from the timeline's 0, so that 0 is the caller's first
+    frame: a line whose audio starts after the pipeline's (a slow start, a late media stream)
+    must not shift the bot's audio against it."""
+    recorder = call_recorder(tmp_path, "late")
+    caller = InputAudioRawFrame(audio=bytes(640), sample_rate=16000, num_channels=1)
+    bot = OutputAudioRawFrame(audio=np.full(320, 5000, np.int16).tobytes(), sample_rate=16000,
+                              num_channels=1)
+    # The caller's first frame comes 0.2 s after the start; the bot plays 0.3 s after it.
+    await run_test(Pipeline([recorder.front(), recorder]), expected_down_frames=None,
+                   frames_to_send=[SleepFrame(0.2), caller, SleepFrame(0.3), bot])
+    stereo, rate = soundfile.read(recording_path(tmp_path, "late"), dtype="int16")
+    at_ms = _onset(stereo[:, 1]) * 1000 / rate
+    assert 280 <= at_ms <= 400, at_ms
