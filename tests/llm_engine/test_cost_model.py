@@ -67,7 +67,9 @@ def test_a_cached_cost_model_is_used_instead_of_measuring(target, tokenizer, tmp
 
 def test_a_cached_model_measured_under_load_is_replaced_but_not_one_read_under_load(target):
     runner = EagerRunner(target)
-    now = cost_model.measure_verify(runner, 1, context=16, repeats=3)[0]
+    # The machine's calm step: the fastest of a few readings (the suite's other worker may hold a
+    # core during one; a slow first reading made still_valid's own reading 1.6x faster on CI).
+    now = min(cost_model.measure_verify(runner, 1, context=16, repeats=3)[0] for _ in range(5))
     calm = cost_model.CostModel([now], context=16)
     under_load = cost_model.CostModel([now * 10], context=16)  # 10x slower than the machine
     faster_than_now = cost_model.CostModel([now / 10], context=16)  # as if read now under load
