@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,12 +342,15 @@ class SpeculativeEngine:
             self.release(state)
 
     @torch.inference_mode()
-    def next_logprob(self, prompt_ids: list[int], token_id: int) -> float:
-        """log p(token_id | prompt_ids) under the target: a classifier's question, not a request.
-        One forward on a cache of its own, which keeps the last scored prompt, so that only what
-        differs from it runs (questions that share a template cost their new words)."""
+    def next_logprob(self, prompt_ids: list[int], token_ids: Collection[int]) -> float:
+        """log p(the next token is one of token_ids | prompt_ids) under the target: a
+        classifier's question, not a request. One forward on a cache of its own, which keeps the
+        last scored prompt, so that only what differs from it runs (a caller's growing words, or
+        questions that share a template, cost their new tokens)."""
         if not prompt_ids or len(prompt_ids) > self.config.max_context:
             raise ValueError(f"a prompt of {len(prompt_ids)} tokens cannot be scored")
+        if not token_ids:
+            raise ValueError("no token to score")
         scored, cache = self._scoring or ([], self.runner.new_cache())
         self._scoring = None  # until this forward has left the cache whole
         keep = min(kv.common_prefix_len(scored, prompt_ids), len(prompt_ids) - 1)
@@ -355,7 +358,8 @@ class SpeculativeEngine:
         out = self.runner.forward(cache, torch.tensor([prompt_ids[keep:]], device=self.device),
                                   last_only=True)
         self._scoring = (list(prompt_ids), cache)
-        return float(out.logits[-1].float().log_softmax(-1)[token_id])
+        logprobs = out.logits[-1].float().log_softmax(-1)
+        return float(logprobs[sorted(set(token_ids))].logsumexp(0))
 
     # -- the ladder: prefill, decode, speculative step -----------------------------------------
 

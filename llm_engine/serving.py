@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,11 +308,11 @@ class EngineWorker:
     async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
         return await self.submit(prompt_ids, **kwargs).result()
 
-    async def next_logprob(self, prompt_ids: list[int], token_id: int) -> float:
+    async def next_logprob(self, prompt_ids: list[int], token_ids: Collection[int]) -> float:
         """`SpeculativeEngine.next_logprob` on the worker thread, between two rounds of steps.
         Raises what it raised, and RuntimeError once the engine is closed or its worker died."""
         loop = asyncio.get_running_loop()
-        job = _Job(lambda engine: engine.next_logprob(prompt_ids, token_id), loop)
+        job = _Job(lambda engine: engine.next_logprob(prompt_ids, token_ids), loop)
         with self._admit:
             if self._closed or self._error is not None:
                 raise RuntimeError(self._error or "engine is closed")

@@ -136,16 +136,16 @@ class TurnConfig(BaseModel):
     # 1.0 s keeps a caller's 0.7 s pause one turn. 0: off.
     unfinished_hold_s: float = Field(1.0, ge=0)
     # vad, with the in-process engine: the target's log-probability that the caller's message
-    # ends there (case and punctuation aside) below this says the words go on. Finished
-    # sentences score about -1 to -18 on the embedded SmolLM2, fragments ("what is the capital")
-    # -19 to -27. null: the words alone decide.
-    unfinished_logprob: float | None = Field(-20.0, le=0)
-    # Which turns that score decides. unsure: only words with no closing punctuation and no
-    # continuing last word, which would otherwise wait the hold (Whisper leaves a finished
-    # fragment such as "of Spain and why is it there" bare). always: every turn not plainly
-    # unfinished, which also holds "What is the capital?" (a hesitant caller stays one turn) at
-    # 100-250 ms of every turn's first audio on 2 cores (bench call).
-    unfinished_cue: Literal["unsure", "always"] = "unsure"
+    # or its sentence ends there (case and punctuation aside) below this says the words go on.
+    # Finished messages score about -0.1 to -6 on the embedded SmolLM2 (a bare "can you help
+    # me" -10), fragments ("what is the capital" -8.4) -6 to -14. null: the words alone decide.
+    unfinished_logprob: float | None = Field(-7.0, le=0)
+    # Which turns that score decides. always: every turn not plainly unfinished, which also
+    # holds "What is the capital?" (a hesitant caller stays one turn). unsure: only words with
+    # no closing punctuation and no continuing last word, which would otherwise wait the hold
+    # (Whisper leaves a finished fragment such as "of Spain and why is it there" bare): a
+    # score less on most turns, for an engine too busy to spare one.
+    unfinished_cue: Literal["unsure", "always"] = "always"
     # While the bot speaks, the caller takes the turn only by speaking this long (seconds), or by
     # saying this many words (pipecat's min-words strategy), so a "mm-hmm" or a cough does not cut
     # it off. Both 0: any speech the VAD hears interrupts at once.

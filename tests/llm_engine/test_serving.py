@@ -1,4 +1,5 @@
 import asyncio
+import math
 import threading
 
 import pytest
@@ -327,7 +328,7 @@ async def test_next_logprob_is_the_targets_own_while_requests_run(serving, targe
     with torch.inference_mode():
         want = target(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
     handle = serving.submit(_prompt(tokenizer, "Hello, how can I help you today?"))
-    got = await serving.next_logprob(prompt, 7)
+    got = await serving.next_logprob(prompt, [7])
     alone = await serving.generate(_prompt(tokenizer, "Hello, how can I help you today?"))
     assert got == pytest.approx(float(want[7]), abs=1e-4)
     assert (await handle.result()).token_ids == alone.token_ids
@@ -341,11 +342,35 @@ async def test_scores_that_share_a_prefix_equal_scores_from_scratch(serving, tar
     for prompt in prompts:
         with torch.inference_mode():
             want = target(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
-        assert await serving.next_logprob(prompt, 11) == pytest.approx(float(want[11]), abs=1e-4)
+        assert await serving.next_logprob(prompt, [11]) == pytest.approx(float(want[11]), abs=1e-4)
+
+
+def test_a_score_that_goes_on_from_the_last_runs_only_its_new_tokens(target, tokenizer):
+    """A caller's words grow between two scores: the second forward carries the new tokens."""
+    engine = SpeculativeEngine(target, tokenizer, _config())
+    ran = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda cache, ids, **kw: ran.append(ids.shape[1]) or forward(
+        cache, ids, **kw)
+    short = _prompt(tokenizer, "Hello, how can I")
+    longer = _prompt(tokenizer, "Hello, how can I help you")
+    engine.next_logprob(short, [5])
+    engine.next_logprob(longer, [5])
+    assert ran == [len(short), len(longer) - len(short)]
+
+
+async def test_a_score_of_several_tokens_is_their_summed_probability(serving, target, tokenizer):
+    prompt = _prompt(tokenizer, "Hello, how can I")
+    with torch.inference_mode():
+        want = target(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)
+    got = await serving.next_logprob(prompt, [3, 11, 11, 19])  # a repeat counts once
+    assert got == pytest.approx(math.log(float(want[[3, 11, 19]].sum())), abs=1e-4)
 
 
 async def test_a_bad_scoring_job_fails_alone(serving, tokenizer):
     with pytest.raises(ValueError, match="cannot be scored"):
-        await serving.next_logprob([], 7)
+        await serving.next_logprob([], [7])
+    with pytest.raises(ValueError, match="no token"):
+        await serving.next_logprob(_prompt(tokenizer, "Hello"), [])
     assert serving.worker_alive
     assert (await serving.generate(_prompt(tokenizer, "Hello"))).finish_reason in ("eos", "length")

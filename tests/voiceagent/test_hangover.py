@@ -8,6 +8,8 @@ whatever the machine's speed.
 import asyncio
 
 import pytest
+from pipecat.frames.frames import InterimTranscriptionFrame
+from pipecat.utils.time import time_now_iso8601
 
 from tests.audio.speech import misheard
 from tests.voiceagent.test_preparation import _caller
@@ -57,7 +59,7 @@ def test_words_without_closing_punctuation_leave_the_end_open(text, end):
 def cfg(tmp_path_factory):
     return load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}",
                               f"vad.stop_secs={STOP_S}", f"turn.unfinished_hold_s={HOLD_S}",
-                              "turn.prepare=true", "turn.unfinished_logprob=-20",
+                              "turn.prepare=true", "turn.unfinished_logprob=-7",
                               "turn.unfinished_cue=always"])
 
 
@@ -118,11 +120,13 @@ def test_the_words_are_scored_as_said():
     ("of Spain and why is it there", False),
     ("What is the capital of France?", False),
     ("Hi, my order hasn't arrived yet. Can you help me?", False),
+    ("Hi, my order has a derived yet. Can you help me?", False),  # as Whisper heard it
+    ("How does that work?", False),
     ("Thank you.", False),
 ])
 def test_the_target_hears_which_messages_go_on(shared, text, unfinished):
     async def ask():
-        cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -20.0)
+        cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -7.0)
         try:
             return await cue.unfinished(text)
         finally:
@@ -139,7 +143,7 @@ def test_the_target_hears_which_messages_go_on(shared, text, unfinished):
 ])
 def test_the_target_decides_the_turns_the_words_leave_open(shared, text, always, held):
     async def decide():
-        cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -20.0)
+        cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -7.0)
         strategy = HoldingSpeechTimeoutStopStrategy(hold_s=1.0, utterance_end=cue,
                                                     cue_always=always)
         try:
@@ -151,3 +155,34 @@ def test_the_target_decides_the_turns_the_words_leave_open(shared, text, always,
             cue.close()
 
     assert asyncio.run(decide()) is held
+
+
+async def _interim_scored(shared, busy: bool) -> bool:
+    """Whether an interim transcript starts the cue's score of the words so far."""
+    cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -7.0)
+    strategy = HoldingSpeechTimeoutStopStrategy(hold_s=1.0, utterance_end=cue)
+    tokenizer = shared.llm.target.tokenizer
+    reply = shared.worker.submit(tokenizer.encode("Tell me a story.")) if busy else None
+    try:
+        await strategy.process_frame(
+            InterimTranscriptionFrame("What is the", "caller", time_now_iso8601()))
+        for _ in range(500):  # scored, however loaded the machine
+            if cue.ready("what is the"):
+                return True
+            await asyncio.sleep(0.01)
+        return False
+    finally:
+        cue.close()
+        if reply is not None:
+            reply.cancel()
+            await reply.result()
+
+
+def test_the_callers_words_so_far_are_scored_while_they_speak(shared):
+    """So that the score at the pause runs only the words after them."""
+    assert asyncio.run(_interim_scored(shared, busy=False))
+
+
+def test_words_so_far_are_not_scored_while_replies_run(shared):
+    """Another caller's reply in flight: the engine's time is theirs."""
+    assert not asyncio.run(_interim_scored(shared, busy=True))

@@ -24,6 +24,7 @@ from pipecat.frames.frames import (
     EagerEndOfTurnCancelFrame,
     EagerTranscriptionFrame,
     Frame,
+    InterimTranscriptionFrame,
     TranscriptionFrame,
     VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
@@ -216,6 +217,8 @@ class _HoldingUnfinished(_HeardWords):
             words = " ".join([*self._finals, frame.text])
             if self._asks_cue(ending(words)):
                 self._utterance_end.prefetch(words)
+        elif isinstance(frame, InterimTranscriptionFrame) and self._utterance_end:
+            self._utterance_end.warm_on(" ".join([*self._finals, frame.text]))
         return await super().process_frame(frame)
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):

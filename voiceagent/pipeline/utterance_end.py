@@ -4,19 +4,20 @@ Whisper punctuates what it hears, so a caller who stops to think after "What is 
 reads as the finished question "What is the capital?", and a word list cannot tell. LiveKit's
 turn detector asks a small language model instead: the probability that the user's message ends
 at this point. We ask the in-process target the same question, on the words without case or
-punctuation (what was said, not how Whisper wrote it): log p(end of turn | the message so far).
-Below `turn.unfinished_logprob` the words sound unfinished and the turn waits its hold.
+punctuation (what was said, not how Whisper wrote it): log p(the message or its sentence ends
+here), the target's probability that the next token is the template's end of turn or a closing
+mark (".", "?", "!"). The end-of-turn token alone reads a question without its "?" as going on
+("can you help me" -26 against "what is the capital" -24); with the marks, finished messages
+score -0.1 to -3.6 and fragments -3.8 to -12 on the embedded SmolLM2-135M-Instruct (-8.4 for
+"what is the capital"). Below `turn.unfinished_logprob` the words sound unfinished and the turn
+waits its hold.
 
 One forward of the message alone (no system prompt or history), on a cache of the engine's own
-that keeps the template's KV: ~30-40 ms on 2 cores. The score is asked for at the pause
-transcript, during the hangover, so that at the VAD stop it is usually ready; when it is not,
-the reply starts on the words as they stand while the score decides. Measured on the embedded
-SmolLM2-135M-Instruct: finished sentences score -1 to -18, fragments ("what is the capital",
-"i would like to") -19 to -27. In a call on 2 cores a score takes 90-120 ms (it shares the worker
-and the cores with the reply and Whisper), so by default (`turn.unfinished_cue: unsure`) only the
-turns whose words leave the end open are scored: no closing punctuation, where the words alone
-would hold the turn ("of Spain and why is it there" scores -6: it is spared the hold; "i need
-help with my order from last" -27: it is held).
+that keeps the last scored words: ~16 ms for a sentence on 2 cores, ~9 ms for two new words.
+The interims warm it while the caller speaks and the engine is idle, so the score at the pause
+runs only the last words. It is asked for at the pause transcript, during the hangover, so that
+at the VAD stop it is ready; when it is not, the reply starts on the words as they stand while
+the score decides.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from llm_engine.serving import EngineWorker
 
 _SENTINEL = "\u2063utterance\u2063"  # an invisible separator no caller's words contain
 _KEEP = 16  # recent scores kept (a call's pause and final transcripts repeat each other)
+_CLOSING = ".?!"
 
 
 def normalise(text: str) -> str:
@@ -46,7 +48,7 @@ class UtteranceEnd:
         self.worker = worker
         self.tokenizer = tokenizer
         self.threshold = threshold
-        self._prefix, self._end_token = _message_frame(tokenizer)
+        self._prefix, self._ends = _message_frame(tokenizer)
         self._scores: OrderedDict[str, asyncio.Task] = OrderedDict()
 
     def warm(self) -> None:
@@ -65,6 +67,13 @@ class UtteranceEnd:
         self._scores[words] = task
         while len(self._scores) > _KEEP:
             self._scores.popitem(last=False)[1].cancel()
+
+    def warm_on(self, text: str) -> None:
+        """Score the words so far while the engine has nothing else to run, so that the score at
+        the pause runs only the words after them; with replies in flight (other callers') it
+        would only take their time and another caller's words would evict these."""
+        if self.worker.in_flight == 0:
+            self.prefetch(text)
 
     def ready(self, text: str) -> bool:
         """Whether `text`'s score is in (so `unfinished` answers without waiting)."""
@@ -88,7 +97,7 @@ class UtteranceEnd:
     async def _score(self, words: str) -> float:
         ids = self.tokenizer.encode(self._prefix + words, add_special_tokens=False)
         t0 = time.perf_counter()
-        logprob = await self.worker.next_logprob(ids, self._end_token)
+        logprob = await self.worker.next_logprob(ids, self._ends)
         ms = (time.perf_counter() - t0) * 1000
         logger.debug(f"end of utterance: [{words}] scored in {ms:.0f} ms")
         return logprob
@@ -104,9 +113,10 @@ def _seen(task: asyncio.Task) -> None:
         task.exception()
 
 
-def _message_frame(tokenizer) -> tuple[str, int]:
-    """What the chat template writes before a user message, and the first token it writes after
-    one (its end-of-turn marker: <|im_end|>, <|eot_id|>, [/INST], ...)."""
+def _message_frame(tokenizer) -> tuple[str, list[int]]:
+    """What the chat template writes before a user message, and the tokens that end one: the
+    first token the template writes after it (its end-of-turn marker: <|im_end|>, <|eot_id|>,
+    [/INST], ...) and the closing marks as they follow a word."""
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=False)
     if rendered.count(_SENTINEL) != 1:
@@ -115,4 +125,16 @@ def _message_frame(tokenizer) -> tuple[str, int]:
     after = tokenizer.encode(suffix, add_special_tokens=False)
     if not after:
         raise ValueError("the chat template writes nothing after a user's message")
-    return prefix, after[0]
+    return prefix, [after[0], *_marks(tokenizer)]
+
+
+def _marks(tokenizer) -> list[int]:
+    """The tokens of ".", "?" and "!" right after a word, where the tokenizer writes each as one
+    token of its own there (a mark merged into the word's token is left out)."""
+    word = tokenizer.encode("so", add_special_tokens=False)
+    marks = []
+    for mark in _CLOSING:
+        ids = tokenizer.encode("so" + mark, add_special_tokens=False)
+        if len(ids) == len(word) + 1 and ids[:-1] == word:
+            marks.append(ids[-1])
+    return marks
