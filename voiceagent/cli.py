@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "`voiceagent bench KIND --help` lists a kind's flags.")
     _log_args(p)
     kinds = p.add_subparsers(dest="what", required=True, metavar="KIND",
-                             help="engine, call, serve or asr")
+                             help="engine, call, serve, asr or cue")
     _bench_engine_args(_command(
         kinds, "engine", help="engine modes vs HF generate(), per weight format",
         description="Engine modes in each weight format against HF generate() fp32 baselines, "
@@ -120,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         "padded 30 s window, on the project's caller phrases spoken at several rates.")
     p.add_argument("--rates", help="Piper length_scale values, comma-separated "
                    "(default: 0.8,1.0,1.3)")
+    _bench_out(p)
+
+    p = _command(
+        kinds, "cue", help="the turn cue's scores on finished and unfinished phrases",
+        description="The in-process target's end-of-utterance scores (turn.unfinished_logprob) "
+        "on phrases labelled finished or unfinished: which the configured threshold gets wrong, "
+        "and the threshold that gets the fewest wrong for this target.")
+    p.add_argument("--phrases", help="labelled phrases YAML (default: "
+                   "configs/prompts/turn_cue_v1.yaml)")
     _bench_out(p)
 
     _command(sub, "doctor", help="check the environment and load every configured model")
@@ -234,6 +243,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from voiceagent.bench.serve import run_serve_bench
 
         return run_serve_bench(load_config(args.config, args.overrides), args)
+    if args.what == "cue":
+        from voiceagent.bench.cue import run_cue_bench
+
+        return run_cue_bench(load_config(args.config, args.overrides), args)
     if args.what == "call":
         from voiceagent.bench.call import run_call_bench
 

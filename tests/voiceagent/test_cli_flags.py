@@ -58,7 +58,7 @@ def test_every_flag_of_every_command_has_help():
     parsers = list(_subparsers(build_parser()))
     assert {p for p, _ in parsers} >= {("serve",), ("call",), ("chat",), ("doctor",),
                                        ("report",), ("bench", "engine"), ("bench", "call"),
-                                       ("bench", "serve")}
+                                       ("bench", "serve"), ("bench", "cue")}
     missing = [(path, action.option_strings or action.dest)
                for path, parser in parsers for action in parser._actions
                if not isinstance(action, argparse._HelpAction) and not action.help]
@@ -80,6 +80,8 @@ def test_every_flag_of_every_command_has_help():
     ["bench", "serve", "--turns", "5", "--calls", "1,2,3", "--soak", "20"],
     ["bench", "serve", "--knee", "--turns", "2", "--calls", "1,2,3,4,5,6", "--set",
      "server.max_calls=6", "--threshold-ms", "1200"],
+    ["bench", "cue", "--phrases", "configs/prompts/turn_cue_v1.yaml", "--set",
+     "engine.target=smollm2-135m-instruct"],
 ])
 def test_the_documented_bench_invocations_still_parse(argv):
     args = build_parser().parse_args(argv)
@@ -89,7 +91,7 @@ def test_the_documented_bench_invocations_still_parse(argv):
 
 @pytest.mark.parametrize("argv", [
     ["bench", "serve", "--quick"], ["bench", "engine", "--calls", "1"],
-    ["bench", "call", "--knee"], ["bench"],
+    ["bench", "call", "--knee"], ["bench", "cue", "--methods", "off"], ["bench"],
 ])
 def test_a_flag_of_another_bench_kind_is_refused(argv, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -80,18 +80,28 @@ class UtteranceEnd:
         task = self._scores.get(normalise(text))
         return task is not None and task.done()
 
-    async def unfinished(self, text: str) -> bool:
+    async def score(self, text: str) -> float:
+        """log p(the message or its sentence ends after `text`'s words); each words once.
+        Raises what scoring raised (the words are then scored again when next asked)."""
         words = normalise(text)
         if not words:
-            return False
+            raise ValueError("no words to score")
         self.prefetch(words)
         try:
-            logprob = await asyncio.shield(self._scores[words])
+            return await asyncio.shield(self._scores[words])
+        except Exception:
+            self._scores.pop(words, None)
+            raise
+
+    async def unfinished(self, text: str) -> bool:
+        if not normalise(text):
+            return False
+        try:
+            logprob = await self.score(text)
         except Exception as exc:  # a cue, not a stage: without it the words alone decide
             logger.warning(f"end-of-utterance score failed: {exc}")
-            self._scores.pop(words, None)  # asked again next time
             return False
-        logger.debug(f"end of utterance: log p = {logprob:.1f} after [{words}]")
+        logger.debug(f"end of utterance: log p = {logprob:.1f} after [{normalise(text)}]")
         return logprob < self.threshold
 
     async def _score(self, words: str) -> float:
