@@ -8,7 +8,7 @@ whatever the machine's speed.
 import asyncio
 
 import pytest
-from pipecat.frames.frames import InterimTranscriptionFrame
+from pipecat.frames.frames import EagerTranscriptionFrame
 from pipecat.utils.time import time_now_iso8601
 
 from tests.audio.speech import misheard
@@ -157,20 +157,21 @@ def test_the_target_decides_the_turns_the_words_leave_open(shared, text, always,
     assert asyncio.run(decide()) is held
 
 
-async def _interim_scored(shared, busy: bool) -> bool:
-    """Whether an interim transcript starts the cue's score of the words so far."""
-    cue = UtteranceEnd(shared.worker, shared.llm.target.tokenizer, -7.0)
-    strategy = HoldingSpeechTimeoutStopStrategy(hold_s=1.0, utterance_end=cue)
+
+async def _decided_at_the_pause(shared, busy: bool) -> bool:
+    """Whether `cue_always` holds "What is the capital?" when its pause transcript came while
+    another caller's reply was in flight (busy) or not."""
     tokenizer = shared.llm.target.tokenizer
+    cue = UtteranceEnd(shared.worker, tokenizer, -7.0)
+    strategy = HoldingSpeechTimeoutStopStrategy(hold_s=1.0, utterance_end=cue, cue_always=True)
     reply = shared.worker.submit(tokenizer.encode("Tell me a story.")) if busy else None
+    text = "What is the capital?"
     try:
-        await strategy.process_frame(
-            InterimTranscriptionFrame("What is the", "caller", time_now_iso8601()))
-        for _ in range(500):  # scored, however loaded the machine
-            if cue.ready("what is the"):
-                return True
-            await asyncio.sleep(0.01)
-        return False
+        await strategy.process_frame(EagerTranscriptionFrame(text, "caller", time_now_iso8601()))
+        if cue.asked(text):
+            while not cue.ready(text):  # scored, however loaded the machine
+                await asyncio.sleep(0.01)
+        return await strategy._sounds_unfinished(text)
     finally:
         cue.close()
         if reply is not None:
@@ -178,11 +179,10 @@ async def _interim_scored(shared, busy: bool) -> bool:
             await reply.result()
 
 
-def test_the_callers_words_so_far_are_scored_while_they_speak(shared):
-    """So that the score at the pause runs only the words after them."""
-    assert asyncio.run(_interim_scored(shared, busy=False))
+def test_a_finished_looking_turn_is_scored_when_the_engine_is_idle(shared):
+    assert asyncio.run(_decided_at_the_pause(shared, busy=False))
 
 
-def test_words_so_far_are_not_scored_while_replies_run(shared):
-    """Another caller's reply in flight: the engine's time is theirs."""
-    assert not asyncio.run(_interim_scored(shared, busy=True))
+def test_under_another_callers_reply_the_words_decide_a_finished_looking_turn(shared):
+    """The score would delay that reply; "What is the capital?" reads finished."""
+    assert not asyncio.run(_decided_at_the_pause(shared, busy=True))

@@ -24,7 +24,6 @@ from pipecat.frames.frames import (
     EagerEndOfTurnCancelFrame,
     EagerTranscriptionFrame,
     Frame,
-    InterimTranscriptionFrame,
     TranscriptionFrame,
     VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
@@ -190,8 +189,8 @@ class _Preparing(_HeardWords):
 
 class _HoldingUnfinished(_HeardWords):
     """Adds the transcript's own cue to a stop strategy: a turn whose words sound unfinished
-    (`ending`; where the words leave it open, or with `cue_always` on every turn, the language
-    model's `UtteranceEnd` decides where one is given) waits
+    (`ending`; where the words leave it open, or with `cue_always` on every turn the engine had
+    time to score, the language model's `UtteranceEnd` decides where one is given) waits
     `hold_s` more for the caller to go on before it ends, so the VAD's hangover can be short for
     a finished question and still long enough for "and, um" or "What is the capital ... of
     Spain". Speech in the meantime cancels the hold (the VAD's start resets the strategy)."""
@@ -213,21 +212,23 @@ class _HoldingUnfinished(_HeardWords):
                 self._utterance_end.warm()
         elif isinstance(frame, (EagerTranscriptionFrame, TranscriptionFrame)) and \
                 self._utterance_end:
-            # Scored during the hangover, on the words the turn's end will be decided on.
+            # Scored during the hangover, on the words the turn's end will be decided on. With
+            # `cue_always`, words that end finished are scored only while no reply is in flight:
+            # under other callers' load the score would delay their replies (the words decide).
             words = " ".join([*self._finals, frame.text])
-            if self._asks_cue(ending(words)):
+            end = ending(words)
+            if end == UNSURE or (self._cue_always and end == FINISHED and
+                                 self._utterance_end.idle):
                 self._utterance_end.prefetch(words)
-        elif isinstance(frame, InterimTranscriptionFrame) and self._utterance_end:
-            self._utterance_end.warm_on(" ".join([*self._finals, frame.text]))
         return await super().process_frame(frame)
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         text = " ".join(self._finals)
         end = ending(text)
-        if self._hold_s > 0 and self._hold is None and (end != FINISHED or self._asks_cue(end)):
+        if self._hold_s > 0 and self._hold is None and (end != FINISHED or self._asks_cue(text)):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
-            if self._asks_cue(end) and not self._utterance_end.ready(text):
+            if self._asks_cue(text) and not self._utterance_end.ready(text):
                 await self._prepare_while_deciding()  # the reply need not wait for the score
             self._hold = self.task_manager.create_task(
                 self._held(text, enable_user_speaking_frames), f"{self}::unfinished_hold")
@@ -242,15 +243,17 @@ class _HoldingUnfinished(_HeardWords):
         await super().trigger_user_turn_stopped(
             enable_user_speaking_frames=enable_user_speaking_frames)
 
-    def _asks_cue(self, end: str) -> bool:
-        """Whether the language model's cue decides words that end so: where the words leave it
-        open (UNSURE), or on every turn not plainly unfinished with `cue_always`."""
-        return self._utterance_end is not None and (
-            end == UNSURE or (self._cue_always and end == FINISHED))
+    def _asks_cue(self, text: str) -> bool:
+        """Whether the language model's cue decides these words: where the words leave it open
+        (UNSURE), or with `cue_always` where they end finished and were scored (an idle engine
+        at the pause)."""
+        end = ending(text)
+        return self._utterance_end is not None and (end == UNSURE or (
+            self._cue_always and end == FINISHED and self._utterance_end.asked(text)))
 
     async def _sounds_unfinished(self, text: str) -> bool:
         end = ending(text)
-        if not self._asks_cue(end):
+        if not self._asks_cue(text):
             return end != FINISHED
         try:  # the score is usually ready; an engine busy for longer must not hold the turn
             return await asyncio.wait_for(self._utterance_end.unfinished(text), SCORE_WAIT_S)
