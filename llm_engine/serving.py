@@ -258,6 +258,7 @@ class EngineWorker:
         self._inbox: queue.Queue[RequestHandle | _Job | None] = queue.Queue()
         self._closed = False
         self.in_flight = 0  # requests submitted and not yet ended
+        self.replies_in_flight = 0  # ... of them, those that generate more than one token
         self._error: str | None = None  # why the worker died
         # Queueing a request and the worker's end exclude each other: nothing is queued after it.
         self._admit = threading.Lock()
@@ -303,6 +304,7 @@ class EngineWorker:
             handle = RequestHandle(state, asyncio.get_running_loop(), self.engine.tokenizer)
             self._inbox.put(handle)
             self.in_flight += 1
+            self.replies_in_flight += _is_reply(state)
         return handle
 
     async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
@@ -426,6 +428,7 @@ class EngineWorker:
             st.stats.cancel_to_stop_ms = (time.perf_counter() - st.cancel_time) * 1000
         with self._admit:
             self.in_flight -= 1
+            self.replies_in_flight -= _is_reply(st)
         handle._finish(st.finish_reason, error)
 
     def _shutdown(self, active: deque[RequestHandle]) -> None:
@@ -437,7 +440,7 @@ class EngineWorker:
         with self._admit:
             self._error = error
             waiting = [self._inbox.get_nowait() for _ in range(self._inbox.qsize())]
-            self.in_flight = 0
+            self.in_flight = self.replies_in_flight = 0
         for handle in [*active, *waiting]:
             if handle is None:  # close() asked the worker to stop
                 continue
@@ -450,3 +453,8 @@ class EngineWorker:
             except Exception:  # the engine may be what broke; the caller must hear either way
                 log.exception("could not release a request of the dead worker")
             handle._finish("error", error)
+
+
+def _is_reply(state) -> bool:
+    """A request that generates, not a one-token prefill that leaves a prompt in the cache."""
+    return state.sampling.max_new_tokens > 1

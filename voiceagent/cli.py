@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         kinds, "cue", help="the turn cue's scores on finished and unfinished phrases",
         description="The in-process target's end-of-utterance scores (turn.unfinished_logprob) "
         "on phrases labelled finished or unfinished: which the configured threshold gets wrong, "
-        "and the threshold that gets the fewest wrong for this target.")
+        "and what each threshold of a sweep gets wrong for this target.")
     p.add_argument("--phrases", help="labelled phrases YAML (default: "
                    "configs/prompts/turn_cue_v1.yaml)")
     _bench_out(p)

@@ -359,6 +359,15 @@ def test_a_score_that_goes_on_from_the_last_runs_only_its_new_tokens(target, tok
     assert ran == [len(short), len(longer) - len(short)]
 
 
+async def test_a_one_token_prefill_is_in_flight_but_not_a_reply(serving, tokenizer):
+    prefill = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=1))
+    reply = serving.submit(_prompt(tokenizer, "Hello, how can I help you today?"))
+    assert (serving.in_flight, serving.replies_in_flight) == (2, 1)
+    await prefill.result()
+    await reply.result()
+    assert (serving.in_flight, serving.replies_in_flight) == (0, 0)
+
+
 async def test_a_score_of_several_tokens_is_their_summed_probability(serving, target, tokenizer):
     prompt = _prompt(tokenizer, "Hello, how can I")
     with torch.inference_mode():

@@ -7,17 +7,17 @@ at this point. We ask the in-process target the same question, on the words with
 punctuation (what was said, not how Whisper wrote it): log p(the message or its sentence ends
 here), the target's probability that the next token is the template's end of turn or a closing
 mark (".", "?", "!"). The end-of-turn token alone reads a question without its "?" as going on
-("can you help me" -26 against "what is the capital" -24); with the marks, finished messages
-score -0.1 to -3.6 and fragments -3.8 to -12 on the embedded SmolLM2-135M-Instruct (-8.4 for
-"what is the capital"). Below `turn.unfinished_logprob` the words sound unfinished and the turn
-waits its hold.
+("can you help me" -26 against "what is the capital" -24); with the marks, most finished
+messages score -0.1 to -6 and most fragments -6 to -14 on the embedded SmolLM2-135M-Instruct
+(-8.4 for "what is the capital"; `voiceagent bench cue` scores a labelled set on any target).
+Below `turn.unfinished_logprob` the words sound unfinished and the turn waits its hold.
 
 One forward of the message alone (no system prompt or history), on a cache of the engine's own
 that keeps the template's KV: ~12-16 ms for a sentence on 2 cores. It is asked for at the pause
 transcript, during the hangover, so that at the VAD stop it is ready; when it is not, the reply
-starts on the words as they stand while the score decides. (Scoring the interims too, so that
-the pause's score would run only the last words, saved ~7 ms for one caller and cost four
-callers ~250 ms of clock 3 p50: their scores queued ahead of the replies.)
+starts on the words as they stand while the score decides. Each score is a forward of its own
+on the worker the replies share, so the turn strategy asks for one on words that end finished
+only while no reply is in flight (`idle`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from llm_engine.serving import EngineWorker
 _SENTINEL = "\u2063utterance\u2063"  # an invisible separator no caller's words contain
 _KEEP = 16  # recent scores kept (a call's pause and final transcripts repeat each other)
 _CLOSING = ".?!"
+_WARNED: set[str] = set()  # tokenizers whose closing marks were found wanting
 
 
 def normalise(text: str) -> str:
@@ -70,8 +71,9 @@ class UtteranceEnd:
 
     @property
     def idle(self) -> bool:
-        """Whether the engine has no reply in flight (a score now delays none)."""
-        return self.worker.in_flight == 0
+        """Whether the engine has no reply in flight (a score now delays none; a one-token
+        prefill of the caller's words so far is not a reply)."""
+        return self.worker.replies_in_flight == 0
 
     def asked(self, text: str) -> bool:
         """Whether `text`'s words are being scored or were (recently)."""
@@ -89,8 +91,14 @@ class UtteranceEnd:
         if not words:
             raise ValueError("no words to score")
         self.prefetch(words)
+        task = self._scores[words]
         try:
-            return await asyncio.shield(self._scores[words])
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():  # the asker was cancelled, not the score
+                raise
+            self._scores.pop(words, None)  # evicted or closed: a failed score, not a cancel
+            raise RuntimeError("the score was cancelled") from None
         except Exception:
             self._scores.pop(words, None)
             raise
@@ -137,7 +145,13 @@ def _message_frame(tokenizer) -> tuple[str, list[int]]:
     after = tokenizer.encode(suffix, add_special_tokens=False)
     if not after:
         raise ValueError("the chat template writes nothing after a user's message")
-    return prefix, [after[0], *_marks(tokenizer)]
+    marks = _marks(tokenizer)
+    if len(marks) < len(_CLOSING) and tokenizer.name_or_path not in _WARNED:
+        _WARNED.add(tokenizer.name_or_path)  # once a process, not once a call
+        logger.warning(f"the tokenizer writes only {len(marks)} of the closing marks "
+                       f"{_CLOSING!r} as tokens of their own: questions and sentences that "
+                       "end without them read as going on (see `voiceagent bench cue`)")
+    return prefix, [after[0], *marks]
 
 
 def _marks(tokenizer) -> list[int]:
