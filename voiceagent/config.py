@@ -137,11 +137,13 @@ class TurnConfig(BaseModel):
     unfinished_hold_s: float = Field(1.0, ge=0)
     # vad, with the in-process engine: the target's log-probability that the caller's message
     # or its sentence ends there (case and punctuation aside) below this says the words go on.
-    # Finished messages score about -0.1 to -6 on the embedded SmolLM2 (a bare "can you help
-    # me" -10), fragments ("what is the capital" -8.4) -6 to -14. null: the words alone decide.
+    # Most finished messages score -0.1 to -6 on the embedded SmolLM2 (a bare "can you help
+    # me" -10), most fragments ("what is the capital" -8.4) -6 to -14 (`voiceagent bench cue`
+    # shows them for the configured target). null: the words alone decide.
     unfinished_logprob: float | None = Field(-7.0, le=0)
     # Which turns that score decides. always: every turn not plainly unfinished, which also
-    # holds "What is the capital?" (a hesitant caller stays one turn). unsure: only words with
+    # holds "What is the capital?" (a hesitant caller stays one turn); words that end finished
+    # are scored only while the engine has no reply in flight. unsure: only words with
     # no closing punctuation and no continuing last word, which would otherwise wait the hold
     # (Whisper leaves a finished fragment such as "of Spain and why is it there" bare): a
     # score less on most turns, for an engine too busy to spare one.
