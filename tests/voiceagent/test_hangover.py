@@ -50,6 +50,7 @@ def test_words_that_sound_unfinished(text, unfinished):
     ("My phone number is 555.", UNFINISHED),
     ("of Spain and why is it there", UNSURE),  # Whisper left a finished fragment bare
     ("I need help with my order from last", UNSURE),
+    ("Thank you.", UNSURE),  # "you" often goes on, but Whisper closed it: the cue decides
 ])
 def test_words_without_closing_punctuation_leave_the_end_open(text, end):
     assert ending(text) == end
@@ -140,6 +141,7 @@ def test_the_target_hears_which_messages_go_on(shared, text, unfinished):
     ("I need help with my order from last", False, True),  # bare, and it goes on
     ("What is the capital?", False, False),  # punctuated: the words decide, unscored
     ("What is the capital?", True, True),  # turn.unfinished_cue: always scores it too
+    ("Thank you.", False, False),  # a closed "you": scored either way, and it ends there
 ])
 def test_the_target_decides_the_turns_the_words_leave_open(shared, text, always, held):
     async def decide():

@@ -60,8 +60,9 @@ def ending(text: str) -> str:
     """How the caller's words so far end: UNFINISHED on a word like "and" or "the" or a filler,
     a trailing comma or dash, or a short group of digits (a number read out in groups: "555,
     1234"); FINISHED on closing punctuation (Whisper punctuates what it hears as finished);
-    UNSURE with none: Whisper also leaves the end of a finished fragment bare ("of Spain and why
-    is it there")."""
+    UNSURE with none (Whisper also leaves the end of a finished fragment bare: "of Spain and why
+    is it there"), or where closing punctuation follows a word like "you" or "that" ("Thank
+    you.", "I think that."): the language model's cue decides those, the hold without one."""
     text = text.strip()
     if not text:
         return FINISHED
@@ -69,9 +70,12 @@ def ending(text: str) -> str:
         return UNFINISHED
     words = re.findall(r"[\w']+", text.lower())
     last = words[-1] if words else ""
-    if last in CONTINUING or (last.isdigit() and len(last) <= 4):
+    closed = text[-1] in ".?!"
+    if last.isdigit() and len(last) <= 4:
         return UNFINISHED
-    return FINISHED if text[-1] in ".?!" else UNSURE
+    if last in CONTINUING:
+        return UNSURE if closed else UNFINISHED
+    return FINISHED if closed else UNSURE
 
 
 class _HeardWords(BaseUserTurnStopStrategy):
