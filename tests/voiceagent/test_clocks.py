@@ -36,6 +36,7 @@ from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
     HeldAudioMetricsData,
+    TurnContinuesMetricsData,
 )
 from voiceagent.pipeline.turn_record import Percentiles, ToolCall, TurnStats
 
@@ -291,6 +292,71 @@ async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste()
     assert turn.clocks.request_to_first_token_ms == 100  # from the committed preparation
     assert turn.clocks.turn_end_to_first_audio_ms == 2310 - 1800
 
+
+
+async def ended_at_a_comma(obs, *, goes_on: bool):
+    """"What is the capital of Spain," ends a turn at its comma (speech 0-800 ms, VAD stop at
+    1100); the reply's first clause is synthesised, and the caller speaks again at 1300 before
+    any of it plays. Their next words end at 2000 (VAD stop 2300) and are answered, heard at
+    2600; `goes_on`: as one message with the first words (TurnContinuesMetricsData)."""
+    await push(obs, VADUserStartedSpeakingFrame(), 0)
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 1100)
+    await push(obs, TranscriptionFrame("What is the capital of Spain.", "user", "now"), 1105)
+    await push(obs, LLMContextFrame(LLMContext(messages=[{"role": "user", "content": "x"}])),
+               1110, dst=LLM)
+    await push(obs, LLMTextFrame("The capital"), 1200, src=LLM)
+    await push(obs, TTSStartedFrame(), 1210, src=TTS)
+    await push(obs, TTSAudioRawFrame(b"\0\0" * 3200, 16000, 1), 1250, src=TTS)
+    await push(obs, VADUserStartedSpeakingFrame(), 1300)
+    await push(obs, InterruptionFrame(), 1310)
+    await push(obs, _prepared_metrics(4, discarded=False), 1320)
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 2300)
+    await push(obs, TranscriptionFrame("and why is it there?", "user", "now"), 2305)
+    await push(obs, LLMContextFrame(LLMContext(messages=[{"role": "user", "content": "y"}])),
+               2310, dst=LLM)
+    if goes_on:
+        await push(obs, MetricsFrame(data=[TurnContinuesMetricsData(processor="llm")]), 2311)
+    await push(obs, LLMTextFrame("Madrid"), 2400, src=LLM)
+    await push(obs, BotStartedSpeakingFrame(), 2600, src=OUT)
+    await push(obs, TTSTextFrame("Madrid", text_type="word"), 2650, src=OUT)
+    await push(obs, engine_metrics(), 2700)
+    await push(obs, BotStoppedSpeakingFrame(), 3000, src=OUT)
+
+
+async def test_a_turn_the_caller_went_on_from_unheard_is_one_record_with_the_next():
+    obs, records = await observing(lambda obs: ended_at_a_comma(obs, goes_on=True))
+    [r] = records
+    assert r.user_text == "What is the capital of Spain. and why is it there?"
+    assert r.early_ends == 1 and not r.continues and not r.interrupted
+    assert r.turn == 1 and r.bot_text == "Madrid"
+    assert r.breakdown.user_speech_ms == 2000  # from the first words to the last
+    assert r.clocks.turn_end_to_first_audio_ms == 600  # from the end of the last words
+    prep = r.preparation
+    assert (prep.discarded, prep.discarded_tokens, prep.discarded_audio_ms) == (1, 4, 200.0)
+
+
+async def test_a_turn_withdrawn_unheard_that_nobody_went_on_with_is_its_own_record():
+    obs, records = await observing(lambda obs: ended_at_a_comma(obs, goes_on=False))
+    assert [(r.turn, r.interrupted, r.early_ends) for r in records] == [(1, True, 0),
+                                                                        (2, False, 0)]
+    assert records[0].user_text == "What is the capital of Spain."
+
+
+async def test_a_call_that_ends_after_a_reply_withdrawn_unheard_keeps_that_turn():
+    records = []
+    obs = ClocksObserver("call-1", records.append)
+    await push(obs, VADUserStartedSpeakingFrame(), 0)
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 1100)
+    await push(obs, TranscriptionFrame("Hello.", "user", "now"), 1105)
+    await push(obs, LLMContextFrame(LLMContext(messages=[{"role": "user", "content": "x"}])),
+               1110, dst=LLM)
+    await push(obs, VADUserStartedSpeakingFrame(), 1300)
+    await push(obs, InterruptionFrame(), 1310)
+    await push(obs, engine_metrics(interrupted=True), 1320)
+    assert records == []  # kept until the next turn says whether the caller went on with it
+    obs.flush()
+    [r] = records
+    assert r.user_text == "Hello." and r.interrupted
 
 # -- a tool turn: the first request calls a tool, a second one answers from its result -----------
 

@@ -161,6 +161,7 @@ async def test_a_scripted_call_with_speculation_on_and_off_shows_the_same_figure
         assert figures["interrupted"] == sum(t["interrupted"] for t in mine) == metric(
             "voiceagent_interruptions_total", method)
         assert figures["continued"] == sum(t["continues"] for t in mine)
+        assert figures["early_ends"] == sum(t["early_ends"] for t in mine)
         assert figures["itl_ms"]["mean"] == pytest.approx(raw["itl_mean"])
         if raw["itl_mean"] is not None:  # a turn no request answered has no engine stats
             assert figures["itl_ms"]["mean"] == pytest.approx(

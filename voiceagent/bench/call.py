@@ -131,12 +131,15 @@ def render_answers(turns: dict[str, list], said_over: dict[str, dict[str, list[f
             runs = max(s["calls"], 1)
             heard = said_over[mode].get(call["name"], [])
             cells.append(f"{(s['turns'] - s['continued']) / runs:g} ({s['turns'] / runs:g})"
+                         + (f"; {s['early_ends']} early end(s)" if s["early_ends"] else "")
                          + (f"; {len(heard)} false start(s), {sum(heard):g} ms heard"
                             if heard else ""))
         lines.append(f"| {call['name']} | {len(call['turns'])} | " + " | ".join(cells) + " |")
     return ("Answered turns per call (all turns, with those that went on with the one before), "
-            "averaged over the repeats; and the bot's speech that began inside the caller's "
-            "sentence (false starts), summed over the repeats:\n\n" + "\n".join(lines))
+            "averaged over the repeats; the pauses a turn ended at and the caller went on from "
+            "before hearing the reply (early ends: one turn, its reply withdrawn unheard); and "
+            "the bot's speech that began inside the caller's sentence (false starts), summed "
+            "over the repeats:\n\n" + "\n".join(lines))
 
 
 def render(summary: dict[str, dict]) -> str:
@@ -264,10 +267,12 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
                     result = await simulate_call(v.configure(call_cfg), models, audio,
                                                  method=v.method, store=store)
                     went_on = sum(t.continues for t in result.turns)
+                    early = sum(t.early_ends for t in result.turns)
                     heard = false_starts(result.bot, RATE, said)
                     said_over[v.name].setdefault(call["name"], []).extend(heard)
                     say(f"[{call['name']}] {v.name}: {len(result.turns)} turn(s)"
                         + (f", {went_on} going on with the one before" if went_on else "")
+                        + (f", {early} early end(s) withdrawn unheard" if early else "")
                         + (f", the bot began inside the caller's sentence {len(heard)} time(s)"
                            f" ({sum(heard)} ms heard)" if heard else ""))
                     bar.update()

@@ -54,6 +54,9 @@ def summarise(turns: list[dict]) -> dict:
         # Turns that went on with the one before as its reply began: one sentence of the caller's
         # (and one answer) across two turns.
         "continued": sum(r.continues for r in records),
+        # Pauses a turn ended at and the caller went on from before hearing the reply: each is
+        # inside the turn's record, its reply withdrawn unheard.
+        "early_ends": sum(r.early_ends for r in records),
         "turn_end_to_first_audio_ms": _pcts(clock3),
         "request_to_first_token_ms": _pcts(clock1, (50, 95)),
         "itl_ms": {**_pcts(itl), "mean": float(np.mean(itl)) if itl else None},

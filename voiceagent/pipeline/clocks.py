@@ -140,6 +140,30 @@ class _Turn:
     prepared_ns: int | None = None  # the request of the preparation in flight or committed
     preparation: Preparation = field(default_factory=Preparation)
     continues: bool = False  # goes on with the turn before (TurnContinuesMetricsData)
+    early_ends: int = 0  # turns absorbed: ended at a pause, their reply withdrawn unheard
+    absorbed_text: str = ""  # their words, before this turn's own
+
+    @property
+    def withdrawn_unheard(self) -> bool:
+        """Interrupted before any of its reply (or a filler) was heard, with no tool run: the
+        caller may be going on with it, and then it is part of the next turn (`absorb`)."""
+        return (self.interrupted_ns is not None and self.first_audio_ns is None
+                and self.filler_audio_ns is None and not self.tool_calls)
+
+    def absorb(self, earlier: _Turn) -> None:
+        """Take in a turn the caller went on from before hearing its reply: one sentence, one
+        answer, so one record. Its words come first, its withdrawn reply's work is waste, and
+        the caller's speech began with it."""
+        self.started_ns, self.started_wall = earlier.started_ns, earlier.started_wall
+        self.absorbed_text = " ".join(t for t in (earlier.absorbed_text, *earlier.user_text) if t)
+        self.early_ends += earlier.early_ends + 1
+        self.continues = earlier.continues
+        mine, theirs = self.preparation, earlier.preparation
+        mine.prepared += theirs.prepared
+        mine.discarded += theirs.discarded + 1
+        mine.discarded_tokens += theirs.discarded_tokens + (
+            earlier.engine.generated_tokens if earlier.engine else 0)
+        mine.discarded_audio_ms += theirs.discarded_audio_ms + earlier.audio_s * 1000
 
     def drop_reply(self) -> None:
         """Forget a withdrawn prepared reply: the turn is being heard again."""
@@ -255,6 +279,9 @@ class ClocksObserver(BaseObserver):
         self._user_speaking = False
         self._onset_ns: int | None = None  # the latest UserSpeechOnsetFrame's, until its start
         self._withdrawn_tts: set[str] = set()  # TTS contexts of withdrawn replies
+        # A turn whose reply was withdrawn unheard, kept until the next turn says whether the
+        # caller went on with it (`_Turn.absorb`) or not (then it is a record of its own).
+        self._unheard: _Turn | None = None
 
     @property
     def idle(self) -> bool:
@@ -504,17 +531,36 @@ class ClocksObserver(BaseObserver):
             self._answering = None
 
     def flush(self) -> None:
-        """Emit the turn being answered (the call ended)."""
+        """Emit the turn being answered, and one kept for the next (the call ended)."""
         if self._answering is not None:
             self._emit(self._answering)
             self._answering = None
+        if self._unheard is not None:
+            self._write(self._unheard)
+            self._unheard = None
 
     def _emit(self, turn: _Turn) -> None:
+        """Write `turn`'s record after the one kept before it, or absorb that one when the
+        caller went on with it; keep `turn` instead when its reply went unheard."""
+        earlier, self._unheard = self._unheard, None
+        if earlier is not None and turn.continues:
+            turn.absorb(earlier)
+        elif earlier is not None:
+            self._write(earlier)
+        if turn.withdrawn_unheard:
+            self._unheard = turn
+        else:
+            self._write(turn)
+
+    def _write(self, turn: _Turn) -> None:
         self._count += 1
         engine = turn.engine
         preparation = turn.preparation
         if preparation.committed:
             preparation.lead_ms = _ms(turn.prepared_ns, turn.vad_stop_ns)
+        if preparation.prepared_text is not None and turn.absorbed_text:
+            # Prepared from the context, whose last message holds only this turn's own words.
+            preparation.prepared_text = f"{turn.absorbed_text} {preparation.prepared_text}"
         preparation.answer_tokens = engine.generated_tokens if engine else 0
         preparation.answer_audio_ms = turn.audio_s * 1000
         tool_call_ms, tools_ms = _tool_segments(turn)
@@ -522,7 +568,7 @@ class ClocksObserver(BaseObserver):
             call_id=self.call_id,
             turn=self._count,
             started_at=turn.started_wall,
-            user_text=" ".join(t for t in turn.user_text if t),
+            user_text=" ".join(t for t in (turn.absorbed_text, *turn.user_text) if t),
             bot_text=turn.heard_text,
             llm_text="".join(turn.llm_text),
             interrupted=turn.interrupted_ns is not None,
@@ -556,5 +602,6 @@ class ClocksObserver(BaseObserver):
             preparation=preparation,
             tool_calls=[run.record() for run in turn.tool_calls.values()],
             continues=turn.continues,
+            early_ends=turn.early_ends,
         )
         self._on_turn(record)

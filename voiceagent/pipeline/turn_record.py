@@ -136,9 +136,14 @@ class TurnRecord:
     interruption_to_silence_ms: float | None = None
     preparation: Preparation = field(default_factory=Preparation)
     tool_calls: list[ToolCall] = field(default_factory=list)  # in the order they started
-    # The caller went on with the turn before just as its reply began (turn.continue_within_s):
-    # that reply was withdrawn, and the model answered both turns' words as one message.
+    # The caller went on with the turn before just as its reply began (turn.continue_within_s),
+    # after hearing some of it: that reply was withdrawn, and the model answered both turns'
+    # words as one message.
     continues: bool = False
+    # How often this turn ended at a pause the caller went on from before any of the reply
+    # begun there was heard: those words are this record's first, and the withdrawn replies'
+    # work is in `preparation`'s discarded figures.
+    early_ends: int = 0
 
     @property
     def method(self) -> str:
