@@ -21,6 +21,11 @@ Early preparation: a reply prepared at the caller's pause belongs to the turn st
 if the turn is confirmed (UserStoppedSpeakingFrame) it becomes the answer, and clock 1 counts
 from the preparation's request. A withdrawn one (EagerEndOfTurnCancelFrame) leaves only its
 waste on the turn: the tokens generated and the audio synthesised for nobody.
+
+An early end: a turn that ended at a pause (a comma the hangover did not outlast) and whose reply
+the caller interrupted before any of it was heard is kept back. If the caller went on with it
+(continuation.py joins the two for the model) it becomes the start of the next turn's record:
+one sentence, one answer, one record, counted in `early_ends`; otherwise it is written alone.
 """
 
 from __future__ import annotations
