@@ -118,6 +118,19 @@ def test_tool_calls_and_a_barge_in_are_in_the_trace(receiver):
     assert _attrs(event)["voiceagent.barge_in.to_silence_ms"] == 210.0
 
 
+def test_a_preparation_asked_after_the_vad_stop_is_an_empty_span_at_its_request(receiver):
+    record = make_turn("c9", 3)
+    prep = record.preparation
+    prep.prepared, prep.committed, prep.lead_ms = 1, True, -22.0  # asked 22 ms after the stop
+    sink = OtlpTurnSink(receiver.url, "voiceagent-test", {}, "cfghash")
+    sink.write(record)
+    sink.close()
+    _, children = _tree(receiver.spans)
+    span, hangover = children["prepare"], children["vad hangover"]
+    assert span.start_time_unix_nano == span.end_time_unix_nano
+    assert (span.start_time_unix_nano - hangover.end_time_unix_nano) / 1e6 == pytest.approx(22.0)
+
+
 def test_a_collector_that_is_down_costs_the_traces_only():
     sink = OtlpTurnSink("http://127.0.0.1:9/v1/traces", "voiceagent-test", {}, "cfghash")
     sink.write(make_turn("c1", 1))  # queued for the exporter's thread: returns at once

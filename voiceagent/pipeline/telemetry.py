@@ -84,9 +84,11 @@ class OtlpTurnSink:
             at += _ns_of(ms)
             span.end(end_time=at)
         if prep.prepared:
+            # From the committed preparation's request to the VAD stop; empty at its request
+            # when that went out after the stop (a pause transcript slower than the hangover).
             vad_stop = turn_end + _ns_of(b.vad_hangover_ms or 0)
-            lead = _ns_of(prep.lead_ms or 0)
-            self._span("prepare", vad_stop - lead, vad_stop, under, {
+            asked = vad_stop - _ns_of(prep.lead_ms or 0)
+            self._span("prepare", asked, max(asked, vad_stop), under, {
                 "voiceagent.prepare.committed": prep.committed,
                 "voiceagent.prepare.discarded": prep.discarded})
         if record.barge_in_to_silence_ms is not None:
