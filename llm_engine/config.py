@@ -134,6 +134,13 @@ class EngineConfig:
     # A worker thread that dies (a failure no request's guard caught) fails what it held and
     # serves again after a backoff, up to this many times in 10 minutes; then it stays down.
     worker_restarts: int = 3
-    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
+    # CPU threads of the engine's forward. auto: measured at load, beside the work the caller
+    # says shares the cores (`llm_engine.threads`); 0 keeps torch's default; n: n threads.
+    threads: Literal["auto"] | int = "auto"
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.threads != "auto" and self.threads < 0:
+            raise ValueError(f"engine.threads must be auto, 0 (torch's default) or a count, "
+                             f"not {self.threads}")

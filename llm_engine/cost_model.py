@@ -137,7 +137,7 @@ def measure_verify_side_by_side(runners: list[TargetRunner], max_rows: int, cont
     """`measure_verify` for several runners at once, interleaved: within each repeat every row
     count of every runner runs in turn, so that a stall from another process spreads over all of
     them instead of bending one curve, or one runner against another."""
-    vocab = _vocab(runners[0].model)
+    vocab = vocab_size(runners[0].model)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, context + max_rows), generator=generator)
     ids = ids.to(runners[0].device)
@@ -149,7 +149,7 @@ def measure_verify_side_by_side(runners: list[TargetRunner], max_rows: int, cont
         for repeat in range(repeats + 1):  # the first pass warms allocators and kernels up
             for rows in range(1, max_rows + 1):
                 for runner, cache, curve in zip(runners, caches, times, strict=True):
-                    ms = _timed(runner.forward, runner.device, cache,
+                    ms = timed_ms(runner.forward, runner.device, cache,
                                 ids[:, context:context + rows])
                     runner.crop(cache, context)
                     if repeat:
@@ -161,7 +161,7 @@ def measure_drafting(proposer: Proposer, runner: TargetRunner, max_k: int, conte
                      repeats: int = 5) -> DraftCost:
     """A proposer's cost for drafting 1 and max_k tokens, through its own interface, on top of
     `context` tokens (and their target features for a proposer that reads them)."""
-    vocab = _vocab(runner.model)
+    vocab = vocab_size(runner.model)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (context,), generator=generator).tolist()
     with torch.inference_mode():
@@ -273,7 +273,7 @@ class CostModelCache:
         partial.replace(path)
 
 
-def _timed(fn: Callable, device: torch.device, *args) -> float:
+def timed_ms(fn: Callable, device: torch.device, *args) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -283,7 +283,7 @@ def _timed(fn: Callable, device: torch.device, *args) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def _vocab(model: torch.nn.Module) -> int:
+def vocab_size(model: torch.nn.Module) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 

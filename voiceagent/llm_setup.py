@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from llm_engine import compact_draft, compiled_runner, cost_model, eagle_head, formats
+from llm_engine import compact_draft, compiled_runner, cost_model, eagle_head, formats, threads
 from llm_engine.compiled_runner import CompiledRunner
 from llm_engine.config import EngineConfig
 from llm_engine.contract import compatibility, make_pair_card
@@ -122,6 +122,7 @@ class LLMRuntime:
     engine: SpeculativeEngine
     eagle: LoadedModel | None = None
     formats: list[FormatResult] = field(default_factory=list)  # when engine.format is auto
+    threads: dict | None = None  # when engine.threads is auto: `_choose_threads`'s record
 
     def serve(self, restarts: int = 0) -> EngineWorker:
         """The engine on its worker thread, for asyncio callers (`restarts`: EngineWorker's)."""
@@ -130,13 +131,16 @@ class LLMRuntime:
 
 def build_runtime(
     engine_cfg: EngineConfig, cache_dir: str, progress: Callable[[str], None] = print,
-    also: Collection[str] = (),
+    also: Collection[str] = (), beside: threads.Load | None = None,
 ) -> LLMRuntime:
     """Load the target and what the configured method (and the methods in `also`, for a
-    benchmark) drafts with, in the format that is fastest here (`engine.format: auto`); refuse an
-    incompatible pair (IncompatiblePairError); record its card; measure (or reuse) its costs.
+    benchmark) drafts with, in the format that is fastest here (`engine.format: auto`), on the
+    thread count that is fastest beside the work that shares the cores (`beside`; alone when
+    None) with `engine.threads: auto`; refuse an incompatible pair (IncompatiblePairError);
+    record its card; measure (or reuse) its costs. Call it on the thread that runs the engine:
+    torch's thread count is that thread's.
     """
-    if engine_cfg.threads > 0:
+    if engine_cfg.threads != "auto" and engine_cfg.threads > 0:
         torch.set_num_threads(engine_cfg.threads)
     # The models the methods draft with ("grammar+draft" drafts with the draft model).
     methods = {model_setting(m) for m in {engine_cfg.speculation.method, *also}}
@@ -149,6 +153,7 @@ def build_runtime(
         runner = make_runner(engine_cfg, target, engine_cfg.format, measurements)
     if runner.format != target.dtype:
         target = dataclasses.replace(target, dtype=runner.format)  # the card names the format
+    thread_choice = _choose_threads(engine_cfg, runner, target, measurements, beside, progress)
     draft = load_draft(engine_cfg, target, cache_dir, progress) if "draft" in methods else None
     eagle = load_eagle(engine_cfg, target, progress) if "eagle" in methods else None
     draft, eagle = (_in_format(d, runner.model) for d in (draft, eagle))
@@ -170,7 +175,35 @@ def build_runtime(
     if costs is None:
         engine.cost_model.key = key
         measurements.save(engine.cost_model)
-    return LLMRuntime(target, draft, card, engine, eagle, format_results)
+    return LLMRuntime(target, draft, card, engine, eagle, format_results, thread_choice)
+
+
+def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: LoadedModel,
+                    measurements: CostModelCache, beside: threads.Load | None,
+                    progress: Callable[[str], None]) -> dict | None:
+    """With `engine.threads: auto` on a CPU of several cores: the count `llm_engine.threads`
+    measures fastest beside `beside`, measured once per machine, model, format and load, and
+    cached. Sets torch's threads to it; returns the record (None: nothing chosen)."""
+    counts = threads.candidates()
+    if engine_cfg.threads != "auto" or runner.device.type != "cpu" or len(counts) == 1:
+        return None
+    machine = {k: v for k, v in cost_model.machine_key(runner.device).items() if k != "threads"}
+    key = {**machine, "part": "threads", "target": cost_model.model_key(target.model),
+           "format": runner.format, "runner": runner.name, "counts": counts,
+           "beside": beside.name if beside else "nothing"}
+    record = measurements.load_record(key)
+    if record is None:
+        progress(f"measuring the engine's step on {', '.join(map(str, counts))} threads beside "
+                 f"{key['beside']} ...")
+        chosen, medians = threads.choose_threads(runner, counts, beside.run if beside else None)
+        record = {"chosen": chosen, "step_ms": {str(n): round(ms, 2) for n, ms in medians.items()},
+                  "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        measurements.save_record(key, record)
+    torch.set_num_threads(record["chosen"])
+    steps = ", ".join(f"{n} threads {ms:.1f} ms" for n, ms in record["step_ms"].items())
+    progress(f"engine.threads auto: {record['chosen']} (a step beside {key['beside']}: {steps}; "
+             f"measured {record['measured_at']})")
+    return record
 
 
 # Held-out conversations the formats are compared on at load: ~1,000 tokens, a second or two.

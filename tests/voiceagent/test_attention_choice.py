@@ -1,18 +1,22 @@
-"""What the lean runner measures about the machine at load, its attention dtype and the invariance
-probe's answer, is measured once per machine and cached, so every process on a machine runs alike
-and says the same things (`voiceagent.llm_setup`)."""
+"""What the engine measures about the machine at load, the lean runner's attention dtype, the
+invariance probe's answer and the engine's threads, is measured once per machine and cached, so
+every process on a machine runs alike and says the same things (`voiceagent.llm_setup`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
 
+from llm_engine import threads
 from llm_engine.config import EngineConfig, SpeculationConfig
 from llm_engine.cost_model import CostModelCache
 from llm_engine.loading import LoadedModel
+from llm_engine.runner import EagerRunner
+from llm_engine.threads import Load
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
-from voiceagent.llm_setup import _attention_dtype, make_runner
+from voiceagent.llm_setup import _attention_dtype, _choose_threads, make_runner
 
 
 def _records(folder, part: str) -> list:
@@ -51,3 +55,33 @@ def test_the_invariance_probe_runs_once_and_a_later_runner_takes_its_answer(tmp_
     # What the record says is what the next runner runs (here a padding it would not choose).
     record.write_text(json.dumps({**saved, "attention_rows": 3}))
     assert make_runner(config, target, "q4", cache).lean.attention_rows == 3
+
+
+def test_the_engine_threads_are_measured_once_beside_their_load_and_then_read(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(threads, "candidates", lambda: [1, 2])
+    before = torch.get_num_threads()
+    tokenizer = make_tokenizer()
+    target = LoadedModel("tiny", "tiny", None, None, None, make_model(len(tokenizer), seed=0),
+                         tokenizer, "cpu", "float32", 0, 0.0, False)
+    runner, cache, said = EagerRunner(target.model), CostModelCache(tmp_path), []
+    ran = []
+    load = Load("a test load", lambda: contextlib.nullcontext(ran.append(1)))
+    try:
+        first = _choose_threads(EngineConfig(), runner, target, cache, load, said.append)
+        assert ran == [1] and torch.get_num_threads() == first["chosen"]
+        (record,) = _records(tmp_path, "threads")
+        assert json.loads(record.read_text())["key"]["beside"] == "a test load"
+        # Another process reads the record instead of measuring: what it says is what it gets.
+        record.write_text(json.dumps({**json.loads(record.read_text()), "chosen": 1}))
+        assert _choose_threads(EngineConfig(), runner, target, cache, load, said.append) \
+            ["chosen"] == 1
+        assert ran == [1] and torch.get_num_threads() == 1
+        assert sum("measuring" in line for line in said) == 1
+        # A set count, or nothing beside: not this record.
+        assert _choose_threads(EngineConfig(threads=2), runner, target, cache, load,
+                               said.append) is None
+        _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
+        assert len(_records(tmp_path, "threads")) == 2
+    finally:
+        torch.set_num_threads(before)

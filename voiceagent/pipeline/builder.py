@@ -86,22 +86,25 @@ class SharedModels:
 
 def load_shared(cfg: Config, progress: Callable[[str], None] = print,
                 also: Collection[str] = ()) -> SharedModels:
-    """Load the LLM (with the drafts of the methods in `also`, for a benchmark) and start its
-    engine thread, then the speech models, so the first call pays for no load. A remote LLM is
-    checked (it answers, it serves the model) instead of loaded. The configured tools are
-    imported first: a bad entry fails here, before any model loads."""
+    """Load the speech models, then the LLM (with the drafts of the methods in `also`, for a
+    benchmark) on its engine thread, so the first call pays for no load; the engine measures its
+    threads beside the speech synthesis (`engine.threads: auto`). A remote LLM is checked (it
+    answers, it serves the model) instead of loaded. The configured tools are imported first: a
+    bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)
     fallback = cfg.llm.fallback
+    speech = SpeechModels.load(cfg, progress)
     worker = llm = None
-    if "engine" in (cfg.llm.backend, fallback and fallback.backend):
-        def build() -> LLMRuntime:
-            runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also)
-            progress("prefilling the system prompt once for every call's first turn ...")
-            runtime.engine.keep_prefix(call_prefix(cfg, runtime.target.tokenizer, tools))
-            return runtime
-
-        worker, llm = EngineWorker.build(build, restarts=cfg.engine.worker_restarts)
     try:
+        if "engine" in (cfg.llm.backend, fallback and fallback.backend):
+            def build() -> LLMRuntime:
+                runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also,
+                                        beside=speech.decoding_load())
+                progress("prefilling the system prompt once for every call's first turn ...")
+                runtime.engine.keep_prefix(call_prefix(cfg, runtime.target.tokenizer, tools))
+                return runtime
+
+            worker, llm = EngineWorker.build(build, restarts=cfg.engine.worker_restarts)
         local = EngineChat(worker, llm.target.tokenizer) if worker is not None else None
         if tools and local is not None:
             uses = ToolPolicy(tuple(tools), cfg.agent.max_tool_calls).every_use()
@@ -114,14 +117,9 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     except BaseException:
         if worker is not None:
             worker.close()
+        speech.close()
         raise
-    shared = SharedModels(llm=llm, worker=worker, chat=chat)
-    try:
-        shared.speech = SpeechModels.load(cfg, progress)
-    except BaseException:
-        shared.close()  # the engine thread started above
-        raise
-    return shared
+    return SharedModels(llm=llm, worker=worker, chat=chat, speech=speech)
 
 
 def call_prefix(cfg: Config, tokenizer, tools: list) -> list[int]:

@@ -7,12 +7,16 @@ VAD's recurrent state, Smart Turn's audio, the STT's transcript) lives in its se
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from pipecat.audio.vad.silero import SileroOnnxModel
 
+from llm_engine.threads import Load
 from voiceagent.config import Config
 from voiceagent.pipeline.speech_worker import SpeechWorker
 from voiceagent.pipeline.stt import load_asr_model
@@ -20,6 +24,8 @@ from voiceagent.pipeline.tts import load_tts_voice
 from voiceagent.pipeline.turns import load_smart_turn_session
 from voiceagent.pipeline.vad import load_vad_model
 
+# What the TTS synthesises while the engine measures its threads beside it: a reply's phrase.
+LOAD_PHRASE = "Your order shipped on Monday, and it should arrive by Thursday afternoon."
 SETTINGS = ("asr.model", "asr.device", "asr.compute_type", "asr.cpu_threads", "tts.voice",
             "tts.use_cuda", "tts.cpu_threads", "vad.model")
 
@@ -55,6 +61,14 @@ class SpeechModels:
         return cls(whisper, voice, vad, smart_turn, speech_settings(cfg),
                    SpeechWorker("asr-worker"), SpeechWorker("tts-worker"))
 
+    def decoding_load(self) -> Load:
+        """What runs beside the engine's decoding in every reply, for the engine to measure its
+        threads beside (`engine.threads: auto`): Piper synthesising a phrase, then resting as
+        long, so busy about half the time, as while a reply is spoken."""
+        threads = self.settings["tts.cpu_threads"] or "default"
+        return Load(f"TTS {self.settings['tts.voice']} on {threads} threads, half the time",
+                    lambda: _synthesising(self.voice))
+
     def close(self) -> None:
         self.asr_worker.close()
         self.tts_worker.close()
@@ -70,3 +84,23 @@ class SpeechModels:
         if cfg.turn.stop == "smart_turn" and self.smart_turn is None:
             return "turn.stop is smart_turn, but no Smart Turn model is loaded"
         return None
+
+
+@contextlib.contextmanager
+def _synthesising(voice) -> Iterator[None]:
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            for _ in voice.synthesize(LOAD_PHRASE):
+                pass
+            stop.wait(time.perf_counter() - start)
+
+    thread = threading.Thread(target=loop, name="tts-load", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,79 @@
+"""How many CPU threads the engine's forward runs on: measured where it runs, beside other work.
+
+A decode step of a small model is hundreds of short kernels. On an idle machine two threads make
+it faster; beside other work (a voice agent's speech synthesis and recognition share the cores)
+every kernel's OpenMP team waits for its slowest thread, and a thread that lost its core to the
+other work holds up the whole step. Measured on a 2-core AMD EPYC (Zen 4) in calls: 2 threads
+decoded at 43 ms a token, 1 thread at 28, against 18 and 21 alone. Which count wins depends on
+the machine and on what runs beside the engine, so `choose_threads` times a plain step at each
+candidate count while `load` (the caller's stand-in for that other work) runs, and the caller
+caches the answer per machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from llm_engine.cost_model import timed_ms, vocab_size
+from llm_engine.runner import TargetRunner
+
+# A count within this of the fastest is as good: fewer threads leave more of the cores to others.
+_TIE = 1.05
+
+
+@dataclass(frozen=True)
+class Load:
+    """Work that shares the cores with the engine: `run()` is a context manager during which it
+    runs; `name` tells one load from another where the choice is cached."""
+
+    name: str
+    run: Callable[[], AbstractContextManager]
+
+
+def candidates(cores: int | None = None) -> list[int]:
+    """1, 2, 4, ... up to the cores, and the cores themselves."""
+    cores = max(1, cores or os.cpu_count() or 1)
+    counts, n = [], 1
+    while n < cores:
+        counts.append(n)
+        n *= 2
+    return [*counts, cores]
+
+
+def choose_threads(runner: TargetRunner, counts: list[int],
+                   load: Callable[[], AbstractContextManager] | None = None,
+                   context: int = 256, repeats: int = 15) -> tuple[int, dict[int, float]]:
+    """The thread count of `counts` with the cheapest plain step (median ms over `repeats`, the
+    counts interleaved so a stall weighs on all alike) while `load()` runs, or alone when it is
+    None; the fewest threads as fast (`fewest_as_fast`). Sets torch's threads to it on the
+    calling thread (the one that runs the engine) and returns it with each count's median."""
+    ids = torch.randint(0, vocab_size(runner.model), (1, context + 1),
+                        generator=torch.Generator().manual_seed(0)).to(runner.device)
+    cache = runner.new_cache()
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    with torch.inference_mode(), load() if load else contextlib.nullcontext():
+        runner.forward(cache, ids[:, :context], last_only=True)
+        for repeat in range(repeats + 1):  # the first pass warms each team up
+            for n in counts:
+                torch.set_num_threads(n)
+                ms = timed_ms(runner.forward, runner.device, cache, ids[:, context:])
+                runner.crop(cache, context)
+                if repeat:
+                    times[n].append(ms)
+    medians = {n: statistics.median(t) for n, t in times.items()}
+    chosen = fewest_as_fast(medians)
+    torch.set_num_threads(chosen)
+    return chosen, medians
+
+
+def fewest_as_fast(step_ms: dict[int, float]) -> int:
+    """The fewest threads whose step is within `_TIE` of the fastest."""
+    best = min(step_ms.values())
+    return min(n for n, ms in step_ms.items() if ms <= best * _TIE)
