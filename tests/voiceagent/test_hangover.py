@@ -51,6 +51,10 @@ def test_words_that_sound_unfinished(text, unfinished):
     ("of Spain and why is it there", UNSURE),  # Whisper left a finished fragment bare
     ("I need help with my order from last", UNSURE),
     ("Thank you.", UNSURE),  # "you" often goes on, but Whisper closed it: the cue decides
+    ("What is 2 plus 2?", UNSURE),  # a question that ends on a number: the cue decides
+    ("My number is 555-1234.", UNFINISHED),
+    ("What is the status of order 51,772?", FINISHED),  # one number, as Whisper wrote it
+    ("It costs 3.50.", FINISHED),
 ])
 def test_words_without_closing_punctuation_leave_the_end_open(text, end):
     assert ending(text) == end

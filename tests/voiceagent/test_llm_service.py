@@ -18,6 +18,7 @@ from pipecat.frames.frames import (
     LLMFullResponseStartFrame,
     LLMTextFrame,
     MetricsFrame,
+    UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
@@ -148,6 +149,30 @@ async def test_words_so_far_are_prefilled_so_the_reply_prefills_only_the_rest(
     # Everything up to the words so far came from the session's KV, not a new prefill.
     shared = next(i for i, (a, b) in enumerate(zip(words_prompt, reply.state.prompt_ids,
                                                     strict=False)) if a != b)
+    assert stats.reused_prefix_tokens == shared
+    assert stats.prefill_tokens == len(reply.state.prompt_ids) - shared
+
+
+async def test_the_conversation_is_prefilled_when_the_callers_turn_starts(make_serving,
+                                                                          tokenizer):
+    # A tool's call and result, which the call's KV never held: prefilled while the caller speaks.
+    serving = make_serving()
+    context = LLMContext(messages=[
+        {"role": "user", "content": "Where is order 48213?"},
+        {"role": "assistant", "content": "Order 4 8 2 1 3 is shipped."}])
+    llm = _service(serving, tokenizer, context=context)
+    reply_context = LLMContext(messages=[*context.get_messages(),
+                                         {"role": "user", "content": "Thanks, bye."}])
+    frames = [UserStartedSpeakingFrame(), SleepFrame(sleep=0.5),
+              LLMContextFrame(context=reply_context)]
+    await asyncio.wait_for(run_test(llm, frames_to_send=frames), 60)
+    history, reply = serving.handles
+    assert history.state.prompt_ids == encode_chat(tokenizer, context.get_messages())
+    assert history.state.sampling.max_new_tokens == 1
+    stats = (await reply.result()).stats
+    # Everything up to the caller's new message came from the session's KV.
+    pairs = zip(history.state.prompt_ids, reply.state.prompt_ids, strict=False)
+    shared = next(i for i, (a, b) in enumerate(pairs) if a != b)
     assert stats.reused_prefix_tokens == shared
     assert stats.prefill_tokens == len(reply.state.prompt_ids) - shared
 

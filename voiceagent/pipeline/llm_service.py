@@ -66,6 +66,8 @@ Frames:
          LLMContextFrame(speculation)   a reply prepared before the turn is confirmed: the same,
                                         but it starts with a PreparedResponseStartFrame, which
                                         the held-reply gate after the TTS holds until commit
+         UserStartedSpeakingFrame       the conversation as it stands prefilled into the call's KV
+                                        when nothing else runs; forwarded
          UserStoppedSpeakingFrame       the turn is confirmed: the prepared reply is committed; fwd
          UserWordsSoFarFrame            the caller's words so far: prefilled into the call's KV
                                         with the conversation when nothing else runs; consumed
@@ -112,6 +114,7 @@ from pipecat.frames.frames import (
     MetricsFrame,
     StartFrame,
     TTSSpeakFrame,
+    UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
 )
 from pipecat.processors.aggregators.llm_context import (
@@ -334,6 +337,8 @@ class ChatLLMService(LLMService):
                 self._continuations.heard()
             elif isinstance(frame, BotStoppedSpeakingFrame):
                 self._continuations.finished()
+            elif isinstance(frame, UserStartedSpeakingFrame):
+                self._prefill_words()
             await self.push_frame(frame, direction)
 
     async def start(self, frame: StartFrame):
@@ -348,16 +353,20 @@ class ChatLLMService(LLMService):
         if messages:
             self._submit_prefill(messages)
 
-    def _prefill_words(self, text: str) -> None:
+    def _prefill_words(self, text: str = "") -> None:
         """Prefill the conversation and the caller's words so far while they speak, so the reply
-        (prepared at the pause, or not) prefills only the words after them. Only when the engine
-        has nothing else of this call: a reply in flight owns the call's KV."""
+        (prepared at the pause, or not) prefills only the words after them. With no words yet
+        (the caller's turn starts), the conversation alone: what the call's KV lacks of it since
+        the last reply, a tool's call and result, a spoken template, would otherwise be prefilled
+        after the turn end when the caller's words come too soon to be prefilled (110 tokens,
+        400 ms on one core after a tool turn). Only when the engine has nothing else of this
+        call: a reply in flight owns the call's KV."""
         if self._context is None or self._requests:
             return
         if self._prefill is not None and not self._prefill.done():
             return
-        words = LLMContext([*self._context.get_messages(), {"role": "user", "content": text}])
-        self._submit_prefill(self._messages(words))
+        said = [{"role": "user", "content": text}] if text else []
+        self._submit_prefill(self._messages(LLMContext([*self._context.get_messages(), *said])))
 
     def _submit_prefill(self, messages: list[dict[str, Any]]) -> None:
         """A one-token request that leaves `messages` in this call's KV cache."""
