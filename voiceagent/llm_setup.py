@@ -200,7 +200,8 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
                   "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
         measurements.save_record(key, record)
     torch.set_num_threads(record["chosen"])
-    steps = ", ".join(f"{n} threads {ms:.1f} ms" for n, ms in record["step_ms"].items())
+    steps = ", ".join(f"{n} thread{'s' * (n != '1')} {ms:.1f} ms"
+                      for n, ms in record["step_ms"].items())
     progress(f"engine.threads auto: {record['chosen']} (a step beside {key['beside']}: {steps}; "
              f"measured {record['measured_at']})")
     return record
