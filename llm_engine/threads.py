@@ -38,8 +38,8 @@ class Load:
 
 
 def candidates(cores: int | None = None) -> list[int]:
-    """1, 2, 4, ... up to the cores, and the cores themselves."""
-    cores = max(1, cores or os.cpu_count() or 1)
+    """1, 2, 4, ... up to the cores this process may run on, and that count itself."""
+    cores = max(1, cores or len(os.sched_getaffinity(0)))
     counts, n = [], 1
     while n < cores:
         counts.append(n)
@@ -52,8 +52,9 @@ def choose_threads(runner: TargetRunner, counts: list[int],
                    context: int = 256, repeats: int = 15) -> tuple[int, dict[int, float]]:
     """The thread count of `counts` with the cheapest plain step (median ms over `repeats`, the
     counts interleaved so a stall weighs on all alike) while `load()` runs, or alone when it is
-    None; the fewest threads as fast (`fewest_as_fast`). Sets torch's threads to it on the
-    calling thread (the one that runs the engine) and returns it with each count's median."""
+    None; the fewest threads as fast (`fewest_as_fast`). Sets torch's threads to it (the calling
+    thread's, the one that runs the engine, and those torch starts later) and returns it with
+    each count's median."""
     ids = torch.randint(0, vocab_size(runner.model), (1, context + 1),
                         generator=torch.Generator().manual_seed(0)).to(runner.device)
     cache = runner.new_cache()

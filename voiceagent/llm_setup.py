@@ -151,9 +151,14 @@ def build_runtime(
         runner, format_results = _choose_format(target, engine_cfg, measurements, progress)
     else:
         runner = make_runner(engine_cfg, target, engine_cfg.format, measurements)
+    probed_at = torch.get_num_threads()
+    thread_choice = _choose_threads(engine_cfg, runner, target, measurements, beside, progress)
+    if isinstance(runner, LeanRunner) and torch.get_num_threads() != probed_at:
+        # Its invariance probe and attention dtype were measured on other threads: again, on
+        # the engine's (cached per thread count like them).
+        runner = make_runner(engine_cfg, target, runner.format, measurements)
     if runner.format != target.dtype:
         target = dataclasses.replace(target, dtype=runner.format)  # the card names the format
-    thread_choice = _choose_threads(engine_cfg, runner, target, measurements, beside, progress)
     draft = load_draft(engine_cfg, target, cache_dir, progress) if "draft" in methods else None
     eagle = load_eagle(engine_cfg, target, progress) if "eagle" in methods else None
     draft, eagle = (_in_format(d, runner.model) for d in (draft, eagle))

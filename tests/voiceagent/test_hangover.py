@@ -55,6 +55,7 @@ def test_words_that_sound_unfinished(text, unfinished):
     ("My number is 555-1234.", UNFINISHED),
     ("What is the status of order 51,772?", FINISHED),  # one number, as Whisper wrote it
     ("It costs 3.50.", FINISHED),
+    ("Tomorrow at 9am.", FINISHED),  # a word that starts with digits is a word
 ])
 def test_words_without_closing_punctuation_leave_the_end_open(text, end):
     assert ending(text) == end

@@ -177,6 +177,16 @@ async def test_the_conversation_is_prefilled_when_the_callers_turn_starts(make_s
     assert stats.prefill_tokens == len(reply.state.prompt_ids) - shared
 
 
+async def test_no_conversation_prefill_while_the_bot_speaks(make_serving, tokenizer):
+    # The context lacks the reply being spoken: a prefill of it would crop the reply's KV.
+    serving = make_serving()
+    context = LLMContext(messages=[{"role": "user", "content": "Hello"}])
+    frames = [BotStartedSpeakingFrame(), UserStartedSpeakingFrame(), SleepFrame(sleep=0.3)]
+    await asyncio.wait_for(run_test(_service(serving, tokenizer, context=context),
+                                    frames_to_send=frames), 60)
+    assert serving.handles == []
+
+
 async def test_start_prefills_the_system_prompt_into_the_session(make_serving, tokenizer):
     serving = make_serving()
     llm = _service(serving, tokenizer, system_prompt="Be brief.")

@@ -521,15 +521,17 @@ def run_engine_bench(cfg: Config, args) -> int:
     drafters = settings.modes
     runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, say, also=drafters)
     chosen = runtime.engine.runner.format
+    # torch's thread count is the process's: the other formats run on the chosen one's.
+    pinned = dataclasses.replace(cfg.engine, threads=torch.get_num_threads())
     others = {
-        fmt_name: build_runtime(dataclasses.replace(cfg.engine, format=fmt_name),
+        fmt_name: build_runtime(dataclasses.replace(pinned, format=fmt_name),
                                 cfg.paths.cache_dir, say, also=drafters)
         for fmt_name in settings.formats if fmt_name != chosen
     }
     # HF generate() and --quality use the fp32 eager target: the reference a user starts from.
     reference = runtime if chosen == "float32" else others.get("float32")
     if reference is None and (settings.hf or settings.quality):
-        reference = build_runtime(dataclasses.replace(cfg.engine, format="float32"),
+        reference = build_runtime(dataclasses.replace(pinned, format="float32"),
                                   cfg.paths.cache_dir, say, also=drafters)
     records, modes = run_bench(
         runtime.engine, runtime.target.tokenizer, prompt_set, settings,

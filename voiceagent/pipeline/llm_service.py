@@ -67,7 +67,8 @@ Frames:
                                         but it starts with a PreparedResponseStartFrame, which
                                         the held-reply gate after the TTS holds until commit
          UserStartedSpeakingFrame       the conversation as it stands prefilled into the call's KV
-                                        when nothing else runs; forwarded
+                                        when nothing else runs and the bot is silent (while it
+                                        speaks, the context lacks its reply); forwarded
          UserStoppedSpeakingFrame       the turn is confirmed: the prepared reply is committed; fwd
          UserWordsSoFarFrame            the caller's words so far: prefilled into the call's KV
                                         with the conversation when nothing else runs; consumed
@@ -254,6 +255,8 @@ class ChatLLMService(LLMService):
         # The latest prefill-only request (the system prompt, or the caller's words so far): the
         # next reply's prefix.
         self._prefill: asyncio.Task | None = None
+        # Between the bot's first audio and its silence: the context lacks the reply then.
+        self._bot_speaking = False
         self._tools = tools or ToolPolicy(())
         self._examples = list(examples)
         self._error_reply = error_reply
@@ -334,10 +337,12 @@ class ChatLLMService(LLMService):
             pass  # LLMService applied it, or pushed it on when it names another service
         else:
             if isinstance(frame, BotStartedSpeakingFrame):
+                self._bot_speaking = True
                 self._continuations.heard()
             elif isinstance(frame, BotStoppedSpeakingFrame):
+                self._bot_speaking = False
                 self._continuations.finished()
-            elif isinstance(frame, UserStartedSpeakingFrame):
+            elif isinstance(frame, UserStartedSpeakingFrame) and not self._bot_speaking:
                 self._prefill_words()
             await self.push_frame(frame, direction)
 

@@ -88,14 +88,19 @@ class SpeechModels:
 
 @contextlib.contextmanager
 def _synthesising(voice) -> Iterator[None]:
+    """Raises what synthesis raised: a choice measured beside no load must not be kept."""
     stop = threading.Event()
+    failed: list[BaseException] = []
 
     def loop() -> None:
-        while not stop.is_set():
-            start = time.perf_counter()
-            for _ in voice.synthesize(LOAD_PHRASE):
-                pass
-            stop.wait(time.perf_counter() - start)
+        try:
+            while not stop.is_set():
+                start = time.perf_counter()
+                for _ in voice.synthesize(LOAD_PHRASE):
+                    pass
+                stop.wait(time.perf_counter() - start)
+        except Exception as exc:
+            failed.append(exc)
 
     thread = threading.Thread(target=loop, name="tts-load", daemon=True)
     thread.start()
@@ -104,3 +109,6 @@ def _synthesising(voice) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
+    if failed:
+        raise RuntimeError(f"the TTS failed while the engine measured its threads beside it: "
+                           f"{failed[0]}") from failed[0]

@@ -62,7 +62,7 @@ def ending(text: str) -> str:
     1234"); FINISHED on closing punctuation (Whisper punctuates what it hears as finished);
     UNSURE with none (Whisper also leaves the end of a finished fragment bare: "of Spain and why
     is it there"), or where closing punctuation follows a word like "you" or "that" ("Thank
-    you.", "I think that."), or a question mark a short number ("What is 2 plus 2?"): the
+    you.", "I think that."), or a question mark after a short number ("What is 2 plus 2?"): the
     language model's cue decides those, the hold without one. A number Whisper wrote with
     separators ("51,772", "3.50") is one number, not a group read out."""
     text = text.strip()
@@ -70,7 +70,7 @@ def ending(text: str) -> str:
         return FINISHED
     if text.endswith(("...", "…", "-", ",")):
         return UNFINISHED
-    words = re.findall(r"\d+(?:[.,]\d+)*|[\w']+", text.lower())
+    words = re.findall(r"\d+(?:[.,]\d+)*(?![\w'])|[\w']+", text.lower())
     last = words[-1] if words else ""
     closed = text[-1] in ".?!"
     if last.isdigit() and len(last) <= 4:
