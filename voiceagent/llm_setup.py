@@ -122,7 +122,6 @@ class LLMRuntime:
     engine: SpeculativeEngine
     eagle: LoadedModel | None = None
     formats: list[FormatResult] = field(default_factory=list)  # when engine.format is auto
-    threads: dict | None = None  # when engine.threads is auto: `_choose_threads`'s record
 
     def serve(self, restarts: int = 0) -> EngineWorker:
         """The engine on its worker thread, for asyncio callers (`restarts`: EngineWorker's)."""
@@ -152,7 +151,7 @@ def build_runtime(
     else:
         runner = make_runner(engine_cfg, target, engine_cfg.format, measurements)
     probed_at = torch.get_num_threads()
-    thread_choice = _choose_threads(engine_cfg, runner, target, measurements, beside, progress)
+    _choose_threads(engine_cfg, runner, target, measurements, beside, progress)
     if isinstance(runner, LeanRunner) and torch.get_num_threads() != probed_at:
         # Its invariance probe and attention dtype were measured on other threads: again, on
         # the engine's (cached per thread count like them).
@@ -180,7 +179,7 @@ def build_runtime(
     if costs is None:
         engine.cost_model.key = key
         measurements.save(engine.cost_model)
-    return LLMRuntime(target, draft, card, engine, eagle, format_results, thread_choice)
+    return LLMRuntime(target, draft, card, engine, eagle, format_results)
 
 
 def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: LoadedModel,
