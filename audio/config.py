@@ -36,7 +36,10 @@ class ASRConfig:
     compute_type: str = "auto"  # CTranslate2 compute type; auto = int8 on CPU, float16 on CUDA
     language: str = "en"
     beam_size: int = 1
-    cpu_threads: int = 0  # CTranslate2 threads on a CPU; 0: its default (4)
+    # CTranslate2 threads on a CPU. auto: the cores the in-process engine's forward leaves (at
+    # least one): at the caller's pause the two run side by side, and four threads (its default,
+    # 0) on two cores slowed the reply prepared there (docs/BENCHMARKS.md).
+    cpu_threads: int | Literal["auto"] = "auto"
     # speech: the encoder runs on the utterance plus a margin, so a run costs what the speech is
     # long (~80-130 ms for tiny.en on two CPU cores), and a doubtful cut run is redone padded;
     # padded: Whisper's 30 s window, as faster-whisper runs it (~350 ms whatever the length).
@@ -52,6 +55,10 @@ class ASRConfig:
     # Re-transcribe the growing utterance at this cadence while the caller speaks. A run on the
     # speech window is cheap, so the transcript at the caller's pause is mostly ready already.
     interim_every_ms: int = 400
+    # At the caller's pause, an interim at most `interim_every_ms` old whose words end a sentence
+    # ("...France?") starts the prepared reply at once; the pause's own transcript follows and
+    # prepares again only if it hears other words (a run after the pause costs ~100 ms).
+    pause_interim: bool = True
     # One utterance is transcribed up to this long; the rest of it is dropped (a caller who never
     # pauses, or a line that streams noise, cannot grow the buffer or every re-transcription).
     max_utterance_s: float = 30.0

@@ -122,6 +122,7 @@ class LLMRuntime:
     engine: SpeculativeEngine
     eagle: LoadedModel | None = None
     formats: list[FormatResult] = field(default_factory=list)  # when engine.format is auto
+    threads: int | None = None  # the forward's CPU threads; None on a GPU
 
     def serve(self, restarts: int = 0) -> EngineWorker:
         """The engine on its worker thread, for asyncio callers (`restarts`: EngineWorker's)."""
@@ -179,7 +180,8 @@ def build_runtime(
     if costs is None:
         engine.cost_model.key = key
         measurements.save(engine.cost_model)
-    return LLMRuntime(target, draft, card, engine, eagle, format_results)
+    return LLMRuntime(target, draft, card, engine, eagle, format_results,
+                      torch.get_num_threads() if runner.device.type == "cpu" else None)
 
 
 def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: LoadedModel,

@@ -367,3 +367,45 @@ async def test_a_reply_is_prepared_on_the_cut_run_while_the_padded_run_settles_d
     assert order[1] == "padded" and order.count("padded") == 1, order
     assert metrics[0].reused_interim  # the final is the pause's padded run
     assert any(c.isdigit() for c in finals[0].text)
+
+
+@pytest.mark.parametrize("pause_interim", [True, False])
+async def test_a_recent_finished_interim_starts_the_reply_before_the_pause_transcript(
+        whisper, pause_interim):
+    """With `pause_interim`: at a pause, an interim that heard all but the last ~100 ms and ends a
+    sentence goes out as the eager transcript before the pause's own run, which then only
+    confirms it; without, the eager transcript waits for that run."""
+    order: list[str] = []
+    interim = StreamingTranscriber.interim
+
+    def spied_interim(self, *args, **kwargs):
+        order.append("run")
+        return interim(self, *args, **kwargs)
+
+    async def spied_eager(self, text, **kwargs):
+        order.append(f"eager: {text}")
+
+    question = speech(QUESTION)
+    every_ms = len(question) // 320 * 20  # one interim, due at the speech's last whole frame
+    stt = StreamingWhisperSTTService(
+        model=whisper, cfg=ASRConfig(interim_every_ms=every_ms, pause_interim=pause_interim),
+        prepare=True)
+    send = [
+        VADUserStartedSpeakingFrame(),
+        *audio_frames(question),
+        SleepFrame(0.3),  # the interim takes its audio before the silence comes
+        *audio_frames(silence(0.1)),
+        UserSpeechPausedFrame(),
+        SleepFrame(2.0),
+        VADUserStoppedSpeakingFrame(stop_secs=0.1),
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StreamingTranscriber, "interim", spied_interim)
+        patch.setattr(StreamingWhisperSTTService, "_push_eager_end_of_turn", spied_eager)
+        down, _ = await run_test(stt, frames_to_send=send)
+    _, finals, metrics = stt_results(down)
+    eager = [o for o in order if o.startswith("eager: ")]
+    assert len(eager) == 1 and misheard(eager[0][len("eager: "):], QUESTION) <= 1, order
+    expected = ["run", eager[0], "run"] if pause_interim else ["run", "run", eager[0]]
+    assert order == expected
+    assert metrics[0].reused_interim  # the final is the pause's run

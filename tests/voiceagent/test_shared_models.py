@@ -1,15 +1,22 @@
 """The process-wide models a call's pipeline is built over."""
 
 
+import os
 import re
 import time
 
 import pytest
 
+from audio.config import ASRConfig
+from audio.loaders import load_whisper
 from tests.voiceagent.serving import server_config
 from tests.voiceagent.tiny_shared import tiny_shared
+from voiceagent.pipeline import stt
 from voiceagent.pipeline.builder import build_call
 from voiceagent.pipeline.speech_models import SpeechModels, _synthesising
+from voiceagent.pipeline.stt import asr_threads
+
+CORES = len(os.sched_getaffinity(0))
 
 
 def test_a_call_over_shared_models_without_speech_models_is_refused_by_name(tmp_path):
@@ -44,3 +51,29 @@ def test_a_tts_that_fails_while_the_engine_measures_beside_it_fails_the_measurem
     with pytest.raises(RuntimeError, match="no espeak-ng data"):
         with _synthesising(BrokenVoice()):
             time.sleep(0.05)
+
+
+@pytest.mark.parametrize("setting,engine_threads,expected", [
+    ("auto", 1, max(1, CORES - 1)),  # the cores the engine leaves
+    ("auto", CORES, 1),  # at least one
+    ("auto", None, CORES),  # no engine on this CPU
+    (3, 1, 3),  # a set count stands
+    (0, 1, 0),  # CTranslate2's default
+])
+def test_whisper_runs_on_the_cores_the_engine_leaves(setting, engine_threads, expected):
+    assert asr_threads(ASRConfig(cpu_threads=setting), engine_threads) == expected
+
+
+def test_the_speech_models_load_whisper_on_the_cores_the_engine_leaves(tmp_path, monkeypatch):
+    asked = []
+
+    def spied(*args, **kwargs):
+        asked.append(kwargs["cpu_threads"])
+        return load_whisper(*args, **kwargs)
+
+    monkeypatch.setattr(stt, "load_whisper", spied)
+    speech = SpeechModels.load(server_config(tmp_path), lambda _: None, engine_threads=1)
+    try:
+        assert asked == [speech.asr_threads] == [max(1, CORES - 1)]
+    finally:
+        speech.close()

@@ -213,15 +213,15 @@ def _load(cfg: Config, variants: list[Variant], remotes: dict[str, RemoteChat],
 
 
 def speech_per_variant(cfg: Config, variants: list[Variant], shared: SpeechModels,
-                       say) -> dict[str, SpeechModels]:
+                       say, engine_threads: int | None = None) -> dict[str, SpeechModels]:
     """The `shared` speech models, and for a variant that changes them (`:tts.cpu_threads=1`)
-    its own, loaded once per setting."""
+    its own, loaded once per setting (beside the engine's `engine_threads`)."""
     loaded, out = [shared], {}
     for v in variants:
         variant_cfg = v.configure(cfg)
         models = next((m for m in loaded if m.serves(variant_cfg) is None), None)
         if models is None:
-            models = SpeechModels.load(variant_cfg, say)
+            models = SpeechModels.load(variant_cfg, say, engine_threads)
             loaded.append(models)
         out[v.name] = models
     return out
@@ -245,7 +245,8 @@ async def _run(cfg: Config, script: dict, variants: list[Variant], repeats: int,
     say = write  # progress on stderr, above the bar on a terminal
     shared = _load(cfg, variants, remotes, say)
     voice = shared.speech.voice  # the caller speaks with the bot's voice
-    speech = speech_per_variant(cfg, variants, shared.speech, say)
+    speech = speech_per_variant(cfg, variants, shared.speech, say,
+                                shared.llm.threads if shared.llm else None)
     turns: dict[str, list] = {v.name: [] for v in variants}
     said_over: dict[str, dict[str, list[float]]] = {v.name: {} for v in variants}
     before = {name: await chat.speculation() for name, chat in remotes.items()}

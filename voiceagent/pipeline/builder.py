@@ -48,7 +48,7 @@ from voiceagent.pipeline.llm_service import ChatLLMService
 from voiceagent.pipeline.onset_hold import HOLD_MARGIN_S, OnsetHold
 from voiceagent.pipeline.recording import call_recorder, recordings_dir
 from voiceagent.pipeline.remote_llm import RemoteChat, RemoteLLMError, connect
-from voiceagent.pipeline.speech_models import SpeechModels
+from voiceagent.pipeline.speech_models import SpeechModels, decoding_load, load_voice
 from voiceagent.pipeline.stt import make_stt
 from voiceagent.pipeline.tool_calls import ToolPolicy, register_tools
 from voiceagent.pipeline.tts import make_tts
@@ -86,25 +86,27 @@ class SharedModels:
 
 def load_shared(cfg: Config, progress: Callable[[str], None] = print,
                 also: Collection[str] = ()) -> SharedModels:
-    """Load the speech models, then the LLM (with the drafts of the methods in `also`, for a
-    benchmark) on its engine thread, so the first call pays for no load; the engine measures its
-    threads beside the speech synthesis (`engine.threads: auto`). A remote LLM is checked (it
-    answers, it serves the model) instead of loaded. The configured tools are imported first: a
-    bad entry fails here, before any model loads."""
+    """Load the TTS voice, then the LLM (with the drafts of the methods in `also`, for a
+    benchmark) on its engine thread, so the first call pays for no load, then the other speech
+    models; the engine measures its threads beside the speech synthesis (`engine.threads:
+    auto`), and Whisper runs on the cores it leaves (`asr.cpu_threads: auto`). A remote LLM is
+    checked (it answers, it serves the model) instead of loaded. The configured tools are
+    imported first: a bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)
     fallback = cfg.llm.fallback
-    speech = SpeechModels.load(cfg, progress)
-    worker = llm = None
+    voice = load_voice(cfg, progress)
+    worker = llm = speech = None
     try:
         if "engine" in (cfg.llm.backend, fallback and fallback.backend):
             def build() -> LLMRuntime:
                 runtime = build_runtime(cfg.engine, cfg.paths.cache_dir, progress, also=also,
-                                        beside=speech.decoding_load())
+                                        beside=decoding_load(cfg, voice))
                 progress("prefilling the system prompt once for every call's first turn ...")
                 runtime.engine.keep_prefix(call_prefix(cfg, runtime.target.tokenizer, tools))
                 return runtime
 
             worker, llm = EngineWorker.build(build, restarts=cfg.engine.worker_restarts)
+        speech = SpeechModels.load(cfg, progress, llm.threads if llm else None, voice)
         local = EngineChat(worker, llm.target.tokenizer) if worker is not None else None
         if tools and local is not None:
             uses = ToolPolicy(tuple(tools), cfg.agent.max_tool_calls).every_use()
@@ -117,7 +119,8 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     except BaseException:
         if worker is not None:
             worker.close()
-        speech.close()
+        if speech is not None:
+            speech.close()
         raise
     return SharedModels(llm=llm, worker=worker, chat=chat, speech=speech)
 

@@ -19,7 +19,7 @@ from pipecat.audio.vad.silero import SileroOnnxModel
 from llm_engine.threads import Load
 from voiceagent.config import Config
 from voiceagent.pipeline.speech_worker import SpeechWorker
-from voiceagent.pipeline.stt import load_asr_model
+from voiceagent.pipeline.stt import asr_threads, load_asr_model
 from voiceagent.pipeline.tts import load_tts_voice
 from voiceagent.pipeline.turns import load_smart_turn_session
 from voiceagent.pipeline.vad import load_vad_model
@@ -49,25 +49,22 @@ class SpeechModels:
     # One thread each for Whisper and Piper, serving every call, urgent work first.
     asr_worker: SpeechWorker
     tts_worker: SpeechWorker
+    asr_threads: int = 0  # Whisper's CPU threads (`asr.cpu_threads` resolved; 0: its default)
 
     @classmethod
-    def load(cls, cfg: Config, progress: Callable[[str], None] = print) -> SpeechModels:
-        progress(f"loading ASR {cfg.asr.model} ...")
-        whisper = load_asr_model(cfg.asr)
-        progress(f"loading TTS voice {cfg.tts.voice} ...")
-        voice = load_tts_voice(cfg.tts)
+    def load(cls, cfg: Config, progress: Callable[[str], None] = print,
+             engine_threads: int | None = None, voice: Any | None = None) -> SpeechModels:
+        """`engine_threads`: the in-process engine's forward threads on this CPU (None: none),
+        which `asr.cpu_threads: auto` leaves the cores of; `voice`: the Piper voice, if loaded
+        already (`load_voice`)."""
+        voice = voice if voice is not None else load_voice(cfg, progress)
+        threads = asr_threads(cfg.asr, engine_threads)
+        progress(f"loading ASR {cfg.asr.model} on {threads or 'default'} CPU threads ...")
+        whisper = load_asr_model(cfg.asr, engine_threads)
         vad = load_vad_model(cfg.vad)
         smart_turn = load_smart_turn_session() if cfg.turn.stop == "smart_turn" else None
         return cls(whisper, voice, vad, smart_turn, speech_settings(cfg),
-                   SpeechWorker("asr-worker"), SpeechWorker("tts-worker"))
-
-    def decoding_load(self) -> Load:
-        """What runs beside the engine's decoding in every reply, for the engine to measure its
-        threads beside (`engine.threads: auto`): Piper synthesising a phrase, then resting as
-        long, so busy about half the time, as while a reply is spoken."""
-        threads = self.settings["tts.cpu_threads"] or "default"
-        return Load(f"TTS {self.settings['tts.voice']} on {threads} threads, half the time",
-                    lambda: _synthesising(self.voice))
+                   SpeechWorker("asr-worker"), SpeechWorker("tts-worker"), threads)
 
     def close(self) -> None:
         self.asr_worker.close()
@@ -84,6 +81,20 @@ class SpeechModels:
         if cfg.turn.stop == "smart_turn" and self.smart_turn is None:
             return "turn.stop is smart_turn, but no Smart Turn model is loaded"
         return None
+
+
+def load_voice(cfg: Config, progress: Callable[[str], None] = print):
+    progress(f"loading TTS voice {cfg.tts.voice} ...")
+    return load_tts_voice(cfg.tts)
+
+
+def decoding_load(cfg: Config, voice) -> Load:
+    """What runs beside the engine's decoding in every reply, for the engine to measure its
+    threads beside (`engine.threads: auto`): Piper (`voice`) synthesising a phrase, then resting
+    as long, so busy about half the time, as while a reply is spoken."""
+    threads = cfg.tts.cpu_threads or "default"
+    return Load(f"TTS {cfg.tts.voice} on {threads} threads, half the time",
+                lambda: _synthesising(voice))
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ spoke again.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -54,6 +55,7 @@ from voiceagent.pipeline.frames import (
 )
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
 from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker, run_on
+from voiceagent.pipeline.turns import FINISHED, ending
 
 
 class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
@@ -133,6 +135,10 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
                                 running: list[asyncio.Task], pause: int):
         """The utterance up to the pause, as an eager end of turn (unless the caller went on).
 
+        A recent interim whose words end a sentence goes out first (`asr.pause_interim`): the
+        reply is prepared on it while the pause's own transcript runs, and prepared again only
+        if that hears other words.
+
         With `asr.digits_padded`, a cut run that holds digits owes the padded one
         (audio.whisper_window), which costs about three cut runs: the reply is prepared on the
         cut run's words meanwhile, and prepared again if the padded run hears otherwise (the
@@ -140,19 +146,33 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         try:
             for task in running:
                 await task  # one model run at a time: two would share the same cores
+            guess = ""
             result = utterance.last_interim
             if result is None or result.samples < pause_at:
+                if self._stands_in(utterance, result, pause_at):
+                    guess = result.text
+                    await self._push_eager(utterance, pause, guess)
                 result = await self._transcribe(utterance.interim, priority=CRITICAL)
             if result.owed:
-                await self._push_eager(utterance, pause, result.text)
+                if not _same_words(guess, result.text):
+                    await self._push_eager(utterance, pause, result.text)
                 guess = result.text
                 result = await self._transcribe(utterance.interim, True, priority=CRITICAL)
-                if _same_words(guess, result.text):
-                    return
+            if guess and _same_words(guess, result.text):
+                return
         except Exception as e:
             await self.push_error(f"{self}: pause transcription failed: {e}", exception=e)
             return
         await self._push_eager(utterance, pause, result.text if result else "")
+
+    def _stands_in(self, utterance: StreamingTranscriber, interim: Transcript | None,
+                   pause_at: int) -> bool:
+        """Whether an interim that missed the last of the speech may start the reply while the
+        pause's own transcript runs (`asr.pause_interim`): a recent one whose words end a
+        sentence, as Whisper punctuates what it heard as finished."""
+        return (self._cfg.pause_interim and interim is not None and not interim.owed
+                and pause_at - interim.samples <= utterance.interim_every
+                and ending(interim.text) == FINISHED)
 
     async def _push_eager(self, utterance: StreamingTranscriber, pause: int, text: str):
         """An eager end of turn, if the pause it belongs to still stands."""
@@ -303,11 +323,21 @@ def _same_words(a: str, b: str) -> bool:
     return NormalizedMatch().matches(a, b)
 
 
-def load_asr_model(cfg: ASRConfig):
+def load_asr_model(cfg: ASRConfig, engine_threads: int | None = None):
     """The WhisperModel the registry names; one per process, shared by every call (CTranslate2
-    models are safe to call from several threads)."""
+    models are safe to call from several threads). `engine_threads`: the in-process engine's
+    forward threads, for `asr.cpu_threads: auto` (`asr_threads`)."""
     return load_whisper(resolve(cfg.model, "asr").location, device=cfg.device,
-                        compute_type=cfg.compute_type, cpu_threads=cfg.cpu_threads)
+                        compute_type=cfg.compute_type,
+                        cpu_threads=asr_threads(cfg, engine_threads))
+
+
+def asr_threads(cfg: ASRConfig, engine_threads: int | None) -> int:
+    """`asr.cpu_threads`, auto resolved: the cores this process may use less the engine's
+    forward threads (None: no engine on this CPU), at least one."""
+    if cfg.cpu_threads != "auto":
+        return cfg.cpu_threads
+    return max(1, len(os.sched_getaffinity(0)) - (engine_threads or 0))
 
 
 def make_stt(cfg: ASRConfig, model, worker: SpeechWorker | None = None,
