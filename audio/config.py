@@ -36,9 +36,10 @@ class ASRConfig:
     compute_type: str = "auto"  # CTranslate2 compute type; auto = int8 on CPU, float16 on CUDA
     language: str = "en"
     beam_size: int = 1
-    # CTranslate2 threads on a CPU. auto: the cores the in-process engine's forward leaves (at
-    # least one): at the caller's pause the two run side by side, and four threads (its default,
-    # 0) on two cores slowed the reply prepared there (docs/BENCHMARKS.md).
+    # CTranslate2 threads on a CPU. auto: beside an in-process engine on this CPU, the cores its
+    # forward leaves (at least one), as at the caller's pause the two run side by side (on two
+    # cores, four threads slowed the reply prepared there: docs/BENCHMARKS.md, "Whisper beside
+    # the engine at the pause"); without one, CTranslate2's default; 0: its default (4).
     cpu_threads: int | Literal["auto"] = "auto"
     # speech: the encoder runs on the utterance plus a margin, so a run costs what the speech is
     # long (~80-130 ms for tiny.en on two CPU cores), and a doubtful cut run is redone padded;
@@ -55,9 +56,10 @@ class ASRConfig:
     # Re-transcribe the growing utterance at this cadence while the caller speaks. A run on the
     # speech window is cheap, so the transcript at the caller's pause is mostly ready already.
     interim_every_ms: int = 400
-    # At the caller's pause, an interim at most `interim_every_ms` old whose words end a sentence
-    # ("...France?") starts the prepared reply at once; the pause's own transcript follows and
-    # prepares again only if it hears other words (a run after the pause costs ~100 ms).
+    # At the caller's pause, an interim that missed at most the last 200 ms of audio and whose
+    # words end a sentence ("...France?") starts the prepared reply at once; the pause's own
+    # transcript follows and prepares again only if it hears other words (a run after the pause
+    # costs ~100 ms).
     pause_interim: bool = True
     # One utterance is transcribed up to this long; the rest of it is dropped (a caller who never
     # pauses, or a line that streams noise, cannot grow the buffer or every re-transcription).
@@ -65,6 +67,11 @@ class ASRConfig:
     # Audio kept from before the VAD start: it fires start_secs late, and at the start of a
     # stream, before Silero has context, up to ~0.7 s late (seen on Twilio calls).
     preroll_ms: int = 800
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads != "auto" and self.cpu_threads < 0:
+            raise ValueError(f"asr.cpu_threads must be auto, 0 (CTranslate2's default) or a "
+                             f"count, not {self.cpu_threads}")
 
 
 @dataclass

@@ -41,7 +41,7 @@ from voiceagent.models import resolve
 from voiceagent.pipeline.frames import UserSpeechPausedFrame
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
 from voiceagent.pipeline.speech_worker import CRITICAL, SpeechWorker
-from voiceagent.pipeline.stt import StreamingWhisperSTTService, load_asr_model
+from voiceagent.pipeline.stt import StreamingWhisperSTTService, _same_words, load_asr_model
 from voiceagent.pipeline.tts import load_tts_voice, make_tts
 from voiceagent.pipeline.vad import load_vad_model, make_vad
 
@@ -393,7 +393,7 @@ async def test_a_recent_finished_interim_starts_the_reply_before_the_pause_trans
     send = [
         VADUserStartedSpeakingFrame(),
         *audio_frames(question),
-        SleepFrame(0.3),  # the interim takes its audio before the silence comes
+        SleepFrame(1.0),  # the interim takes its audio before the silence comes
         *audio_frames(silence(0.1)),
         UserSpeechPausedFrame(),
         SleepFrame(2.0),
@@ -404,8 +404,10 @@ async def test_a_recent_finished_interim_starts_the_reply_before_the_pause_trans
         patch.setattr(StreamingWhisperSTTService, "_push_eager_end_of_turn", spied_eager)
         down, _ = await run_test(stt, frames_to_send=send)
     _, finals, metrics = stt_results(down)
-    eager = [o for o in order if o.startswith("eager: ")]
-    assert len(eager) == 1 and misheard(eager[0][len("eager: "):], QUESTION) <= 1, order
-    expected = ["run", eager[0], "run"] if pause_interim else ["run", "run", eager[0]]
-    assert order == expected
+    first = next(o for o in order if o.startswith("eager: "))
+    assert misheard(first[len("eager: "):], QUESTION) <= 1, order
+    expected = ["run", first, "run"] if pause_interim else ["run", "run", first]
+    assert order[:3] == expected
     assert metrics[0].reused_interim  # the final is the pause's run
+    # The pause's run confirms the guess unless it heard other words (then it prepares again).
+    assert len(order) == 3 or not _same_words(first[len("eager: "):], finals[0].text), order

@@ -56,7 +56,7 @@ def test_a_tts_that_fails_while_the_engine_measures_beside_it_fails_the_measurem
 @pytest.mark.parametrize("setting,engine_threads,expected", [
     ("auto", 1, max(1, CORES - 1)),  # the cores the engine leaves
     ("auto", CORES, 1),  # at least one
-    ("auto", None, CORES),  # no engine on this CPU
+    ("auto", None, 0),  # no engine on this CPU: CTranslate2's default
     (3, 1, 3),  # a set count stands
     (0, 1, 0),  # CTranslate2's default
 ])
@@ -77,3 +77,13 @@ def test_the_speech_models_load_whisper_on_the_cores_the_engine_leaves(tmp_path,
         assert asked == [speech.asr_threads] == [max(1, CORES - 1)]
     finally:
         speech.close()
+
+
+def test_a_negative_asr_thread_count_is_refused():
+    with pytest.raises(ValueError, match="asr.cpu_threads must be auto"):
+        ASRConfig(cpu_threads=-1)
+
+
+def test_the_shared_models_run_whisper_beside_the_engines_threads(models):
+    assert models.llm.threads >= 1  # the engine runs on this CPU
+    assert models.speech.asr_threads == max(1, CORES - models.llm.threads)

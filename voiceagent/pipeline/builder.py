@@ -40,6 +40,7 @@ from llm_engine.prompts import encode_chat
 from llm_engine.serving import EngineWorker
 from voiceagent.config import Config, LLMConfig, TurnConfig
 from voiceagent.llm_setup import LLMRuntime, build_runtime
+from voiceagent.models import resolve
 from voiceagent.pipeline.chat_backend import ChatBackend, EngineChat
 from voiceagent.pipeline.clocks import ClocksObserver
 from voiceagent.pipeline.failover import FailoverChat
@@ -94,6 +95,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     imported first: a bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)
     fallback = cfg.llm.fallback
+    resolve(cfg.asr.model, "asr")  # a bad name fails before the engine loads and measures
     voice = load_voice(cfg, progress)
     worker = llm = speech = None
     try:

@@ -60,7 +60,7 @@ class SpeechModels:
         voice = voice if voice is not None else load_voice(cfg, progress)
         threads = asr_threads(cfg.asr, engine_threads)
         progress(f"loading ASR {cfg.asr.model} on {threads or 'default'} CPU threads ...")
-        whisper = load_asr_model(cfg.asr, engine_threads)
+        whisper = load_asr_model(cfg.asr, threads)
         vad = load_vad_model(cfg.vad)
         smart_turn = load_smart_turn_session() if cfg.turn.stop == "smart_turn" else None
         return cls(whisper, voice, vad, smart_turn, speech_settings(cfg),

@@ -57,6 +57,10 @@ from voiceagent.pipeline.metrics import ASRFinalMetricsData
 from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker, run_on
 from voiceagent.pipeline.turns import FINISHED, ending
 
+# An interim that missed at most this much audio before the pause may stand in for the pause's
+# own transcript while that runs: the pause comes a VAD window or two after the speech ends.
+GUESS_MISSED_MS = 200
+
 
 class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
     """Frames in: InputAudioRawFrame (any rate, resampled to 16 kHz), VADUserStartedSpeakingFrame,
@@ -92,6 +96,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         self._pause_task: asyncio.Task | None = None  # transcribes the utterance at a pause
         self._paused = False  # between a pause and the speech that resumes it (or the stop)
         self._pauses = 0  # counts pauses and resumes: a pause transcript belongs to one pause
+        self._resumed_at = 0  # samples into the utterance where the caller last resumed
         self._words_so_far = ""  # the last UserWordsSoFarFrame of this utterance
         self._resampler = create_stream_resampler()
 
@@ -117,6 +122,9 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
         elif isinstance(frame, UserSpeechResumedFrame):
             self._paused = False  # a pause transcript still running is now stale
             self._pauses += 1
+            # An interim from before this resume heard none of what follows: no guess at the
+            # next pause.
+            self._resumed_at = self._utterance.samples if self._utterance else 0
             await self._cancel_eager_end_of_turn()
 
     def _on_pause(self) -> None:
@@ -167,11 +175,13 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
 
     def _stands_in(self, utterance: StreamingTranscriber, interim: Transcript | None,
                    pause_at: int) -> bool:
-        """Whether an interim that missed the last of the speech may start the reply while the
-        pause's own transcript runs (`asr.pause_interim`): a recent one whose words end a
+        """Whether an interim that missed the last of the audio may start the reply while the
+        pause's own transcript runs (`asr.pause_interim`): one that heard the caller's speech
+        since it last resumed, up to `GUESS_MISSED_MS` before the pause, and whose words end a
         sentence, as Whisper punctuates what it heard as finished."""
-        return (self._cfg.pause_interim and interim is not None and not interim.owed
-                and pause_at - interim.samples <= utterance.interim_every
+        return (self._cfg.pause_interim and interim is not None and interim.text.strip()
+                and not interim.owed and interim.samples >= self._resumed_at
+                and pause_at - interim.samples <= GUESS_MISSED_MS * SAMPLE_RATE // 1000
                 and ending(interim.text) == FINISHED)
 
     async def _push_eager(self, utterance: StreamingTranscriber, pause: int, text: str):
@@ -186,6 +196,7 @@ class StreamingWhisperSTTService(EagerEndOfTurnSTTServiceMixin, STTService):
             self._utterance = StreamingTranscriber(self._model, self._cfg)
             self._utterance.feed(self._preroll)  # the VAD confirms speech start_secs late
             self._words_so_far = ""
+            self._resumed_at = 0
             self._preroll = np.zeros(0, np.int16)
 
     async def _handle_vad_user_stopped_speaking(self, frame: VADUserStoppedSpeakingFrame):
@@ -323,21 +334,24 @@ def _same_words(a: str, b: str) -> bool:
     return NormalizedMatch().matches(a, b)
 
 
-def load_asr_model(cfg: ASRConfig, engine_threads: int | None = None):
+def load_asr_model(cfg: ASRConfig, threads: int | None = None):
     """The WhisperModel the registry names; one per process, shared by every call (CTranslate2
-    models are safe to call from several threads). `engine_threads`: the in-process engine's
-    forward threads, for `asr.cpu_threads: auto` (`asr_threads`)."""
+    models are safe to call from several threads). `threads`: its CPU threads (`asr_threads`;
+    None: as `asr.cpu_threads` says without an engine on this CPU)."""
     return load_whisper(resolve(cfg.model, "asr").location, device=cfg.device,
                         compute_type=cfg.compute_type,
-                        cpu_threads=asr_threads(cfg, engine_threads))
+                        cpu_threads=asr_threads(cfg, None) if threads is None else threads)
 
 
 def asr_threads(cfg: ASRConfig, engine_threads: int | None) -> int:
-    """`asr.cpu_threads`, auto resolved: the cores this process may use less the engine's
-    forward threads (None: no engine on this CPU), at least one."""
+    """`asr.cpu_threads`, auto resolved: beside an engine whose forward runs on
+    `engine_threads` of this CPU, the cores this process may use less those, at least one;
+    without one (None), CTranslate2's default (0)."""
     if cfg.cpu_threads != "auto":
         return cfg.cpu_threads
-    return max(1, len(os.sched_getaffinity(0)) - (engine_threads or 0))
+    if engine_threads is None:
+        return 0
+    return max(1, len(os.sched_getaffinity(0)) - engine_threads)
 
 
 def make_stt(cfg: ASRConfig, model, worker: SpeechWorker | None = None,
