@@ -199,6 +199,7 @@ class RequestHandle(DeltaStream):
 
 RESTART_WINDOW_S = 600.0  # a worker that died `restarts` times in this long stays down
 RESTART_BACKOFF_S = 0.5  # before the first restart; doubling with each recent death
+HOLD_POLL_S = 0.005  # a worker with only held requests looks at its inbox this often
 
 
 class _Job:
@@ -262,6 +263,9 @@ class EngineWorker:
         self._error: str | None = None  # why the worker died
         # Queueing a request and the worker's end exclude each other: nothing is queued after it.
         self._admit = threading.Lock()
+        # Sessions whose requests wait while their caller's other work runs (`hold_session`):
+        # session id -> (the event that ends the hold, its monotonic deadline).
+        self._holds: dict[str, tuple[threading.Event, float]] = {}
         self._built = threading.Event()
         self._build: tuple[Any, BaseException | None] = (None, None)
         self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
@@ -306,6 +310,13 @@ class EngineWorker:
             self.in_flight += 1
             self.replies_in_flight += _is_reply(state)
         return handle
+
+    def hold_session(self, session_id: str, until: threading.Event, max_s: float) -> None:
+        """Step none of `session_id`'s requests (cancelled ones aside) until `until` is set, or
+        for `max_s` at most: their caller has what it needs for now, and its next need goes
+        faster with the cores (a voice reply's first phrase being synthesised, while the reply
+        decodes what follows it). Other sessions' requests step as before."""
+        self._holds[session_id] = (until, time.monotonic() + max_s)
 
     async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
         return await self.submit(prompt_ids, **kwargs).result()
@@ -391,11 +402,32 @@ class EngineWorker:
             # before a newer request of the same session prefills.
             cancelled = [handle for handle in active if handle.state.cancelled]
             going = _this_round([handle for handle in active if handle not in cancelled])
+            held, until = self._held(going)
+            if held:
+                going = [handle for handle in going if handle not in held]
+                if not going and not cancelled:
+                    if until is not None:  # None: the hold ended just now
+                        until.wait(HOLD_POLL_S)  # the inbox is looked at between waits
+                    continue
             for handles in (cancelled, going):
                 results = self.engine.step_many([handle.state for handle in handles])
                 for handle, result in zip(handles, results, strict=True):
                     if not self._stepped(handle, result):
                         active.remove(handle)
+
+    def _held(self, going: list[RequestHandle]
+              ) -> tuple[list[RequestHandle], threading.Event | None]:
+        """The requests of `going` whose session is held (`hold_session`), and the event that
+        ends the first one's hold; holds that ended are forgotten."""
+        if not self._holds:
+            return [], None
+        now = time.monotonic()
+        for session, (until, deadline) in list(self._holds.items()):
+            if until.is_set() or now >= deadline:
+                self._holds.pop(session, None)
+        held = [h for h in going if h.state.session_id in self._holds]
+        first = self._holds.get(held[0].state.session_id) if held else None
+        return held, first[0] if first else None
 
     def _stepped(self, handle: RequestHandle, result: list[int] | Exception) -> bool:
         """Hand over one request's step (its tokens, or the exception it raised); False when the

@@ -1,6 +1,7 @@
 import asyncio
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -383,3 +384,45 @@ async def test_a_bad_scoring_job_fails_alone(serving, tokenizer):
         await serving.next_logprob(_prompt(tokenizer, "Hello"), [])
     assert serving.worker_alive
     assert (await serving.generate(_prompt(tokenizer, "Hello"))).finish_reason in ("eos", "length")
+
+
+async def test_a_held_sessions_requests_wait_while_others_step(target, tokenizer):
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=16)))
+    try:
+        alone = await engine.generate(_prompt(tokenizer, "Hello"), session_id="alone")
+        until = threading.Event()
+        engine.hold_session("held", until, max_s=60)
+        held = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
+        other = await engine.generate(_prompt(tokenizer, "The moon"), session_id="other")
+        assert other.finish_reason == "length"  # another call's request ran to its end
+        assert held.state.token_ids == held.state.prompt_ids  # this one not even prefilled
+        until.set()
+        done = await asyncio.wait_for(held.result(), 30)
+        assert done.token_ids == alone.token_ids  # then it decodes what it would have
+    finally:
+        engine.close()
+
+
+async def test_a_hold_ends_at_its_deadline(target, tokenizer):
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=4)))
+    try:
+        engine.hold_session("held", threading.Event(), max_s=0.3)  # never released
+        start = time.perf_counter()
+        handle = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
+        first = await anext(aiter(handle))
+        assert first.t - start >= 0.3  # the first token waited out the hold
+        assert (await asyncio.wait_for(handle.result(), 30)).finish_reason == "length"
+    finally:
+        engine.close()
+
+
+async def test_a_held_request_that_is_cancelled_ends_at_once(target, tokenizer):
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=16)))
+    try:
+        engine.hold_session("held", threading.Event(), max_s=60)
+        handle = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
+        await asyncio.sleep(0.05)
+        handle.cancel()  # a barge-in during the first phrase
+        assert (await asyncio.wait_for(handle.result(), 5)).finish_reason == "cancelled"
+    finally:
+        engine.close()

@@ -411,3 +411,30 @@ async def test_a_recent_finished_interim_starts_the_reply_before_the_pause_trans
     assert metrics[0].reused_interim  # the final is the pause's run
     # The pause's run confirms the guess unless it heard other words (then it prepares again).
     assert len(order) == 3 or not _same_words(first[len("eager: "):], finals[0].text), order
+
+
+async def test_a_replys_first_phrase_holds_its_calls_engine_requests_while_synthesised(voice):
+    """Only the first phrase of a reply holds the call's engine requests, and the hold ends when
+    that phrase's audio is out."""
+    holds: list[tuple[threading.Event, float]] = []
+    tts = make_tts(TTSConfig(first_phrase_hold_s=0.4), voice,
+                   hold_engine=lambda until, max_s: holds.append((until, max_s)))
+    send = [
+        LLMFullResponseStartFrame(),
+        LLMTextFrame("Paris is the capital of France, "),
+        LLMTextFrame("and it has many museums. "),
+        LLMTextFrame("It is lovely in the spring."),
+        LLMFullResponseEndFrame(),
+    ]
+    down, _ = await run_test(tts, frames_to_send=send)
+    assert len([f for f in down if isinstance(f, TTSTextFrame)]) == 3
+    [(until, max_s)] = holds
+    assert max_s == 0.4 and until.is_set()
+
+
+async def test_no_engine_hold_with_first_phrase_hold_off(voice):
+    holds = []
+    tts = make_tts(TTSConfig(first_phrase_hold_s=0), voice,
+                   hold_engine=lambda until, max_s: holds.append(until))
+    await run_test(tts, frames_to_send=[TTSSpeakFrame("Hello there, how are you today?")])
+    assert holds == []

@@ -16,6 +16,7 @@ and shared by every call; each call gets its own services, context and clocks ob
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -231,7 +232,8 @@ def build_call(
         dtmf_aggregator(cfg.turn),
         aggregators.user(),
         llm,
-        make_tts(cfg.tts, speech.voice, speech.tts_worker),
+        make_tts(cfg.tts, speech.voice, speech.tts_worker,
+                 functools.partial(shared.worker.hold_session, call_id) if shared.worker else None),
         HeldReplyGate(),
         *([OnsetHold(cfg.vad.start_secs + HOLD_MARGIN_S)] if cfg.turn.yield_to_voice else []),
         *before_output,

@@ -17,7 +17,8 @@ takes about 0.5 s and 60 MB, too much per call and too slow for the event loop).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
 from loguru import logger
@@ -84,7 +85,8 @@ class ClausePiperTTSService(TTSService):
     """
 
     def __init__(self, *, voice, voice_name: str, cfg: TTSConfig,
-                 worker: SpeechWorker | None = None, **kwargs):
+                 worker: SpeechWorker | None = None,
+                 hold_engine: Callable[[threading.Event, float], None] | None = None, **kwargs):
         super().__init__(
             push_start_frame=True,
             push_stop_frames=True,
@@ -94,6 +96,10 @@ class ClausePiperTTSService(TTSService):
         self._voice = voice  # a loaded piper.PiperVoice, shared by every call
         self._worker = worker  # the process's TTS worker (`speech_worker`), shared by every call
         self._first_phrase = True  # the next clause opens a reply: it goes before later ones
+        # Holds this call's engine requests while its first phrase is synthesised (until the
+        # event is set, at most `first_phrase_hold_s`); None: no in-process engine, or off.
+        self._hold_engine = hold_engine if cfg.first_phrase_hold_s > 0 else None
+        self._hold_s = cfg.first_phrase_hold_s
         self._min_clause_chars = cfg.min_clause_chars
         self._first_phrase_words = cfg.first_phrase_words
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
@@ -159,9 +165,16 @@ class ClausePiperTTSService(TTSService):
     async def _next_chunk(self, chunks):
         """Piper's next chunk on the process's TTS worker (a reply's first phrase before other
         calls' later ones)."""
-        priority = CRITICAL if self._first_phrase else BACKGROUND
-        self._first_phrase = False
-        return await run_on(self._worker, next, chunks, None, priority=priority)
+        first, self._first_phrase = self._first_phrase, False
+        if not first or self._hold_engine is None:
+            return await run_on(self._worker, next, chunks, None,
+                                priority=CRITICAL if first else BACKGROUND)
+        done = threading.Event()
+        self._hold_engine(done, self._hold_s)
+        try:
+            return await run_on(self._worker, next, chunks, None, priority=CRITICAL)
+        finally:
+            done.set()
 
 
 def load_tts_voice(cfg: TTSConfig):
@@ -171,10 +184,12 @@ def load_tts_voice(cfg: TTSConfig):
                       cpu_threads=cfg.cpu_threads)
 
 
-def make_tts(cfg: TTSConfig, voice, worker: SpeechWorker | None = None) -> ClausePiperTTSService:
+def make_tts(cfg: TTSConfig, voice, worker: SpeechWorker | None = None,
+             hold_engine: Callable[[threading.Event, float], None] | None = None
+             ) -> ClausePiperTTSService:
     """One call's TTS service over the process's `voice` (`load_tts_voice`) and TTS `worker`;
     its output rate follows the transport's."""
     location = resolve(cfg.voice, "tts").location
     return ClausePiperTTSService(
         voice=voice, voice_name=Path(location).name.removesuffix(".onnx"), cfg=cfg,
-        worker=worker)
+        worker=worker, hold_engine=hold_engine)
