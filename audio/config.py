@@ -88,7 +88,12 @@ class TTSConfig:
     # The first phrase of a reply may end before a phrase opener ("with", "and") once it has
     # this many words, so speech starts sooner; 0: it ends at the first clause mark.
     first_phrase_words: int = 2
-    # While a reply's first phrase is synthesised, the in-process engine steps none of that
-    # call's requests, up to this long: the phrase's audio gives what follows a second or more,
-    # and Piper's first chunk took twice its time alone beside the decoding; 0: off.
+    # While Piper synthesises a reply's first chunk, the in-process engine steps none of that
+    # call's requests submitted before it, up to this long: the chunk's audio gives what follows
+    # a second or more, and beside the decoding it took twice its time alone; 0: off.
     first_phrase_hold_s: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not self.first_phrase_hold_s >= 0:  # NaN too
+            raise ValueError(f"tts.first_phrase_hold_s must be 0 (off) or more, "
+                             f"not {self.first_phrase_hold_s}")

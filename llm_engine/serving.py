@@ -146,6 +146,7 @@ class RequestHandle(DeltaStream):
         grammar = state.sampling.grammar
         tools = grammar is not None and grammar.kind == "tools"
         self._calls = ToolCallSplitter() if tools else None
+        self.number = 0  # its place in the worker's submissions (`EngineWorker.hold_session`)
 
     def cancel(self) -> None:
         """Stop at the next step boundary. Safe from any thread, idempotent."""
@@ -264,8 +265,10 @@ class EngineWorker:
         # Queueing a request and the worker's end exclude each other: nothing is queued after it.
         self._admit = threading.Lock()
         # Sessions whose requests wait while their caller's other work runs (`hold_session`):
-        # session id -> (the event that ends the hold, its monotonic deadline).
-        self._holds: dict[str, tuple[threading.Event, float]] = {}
+        # session id -> (the event that ends the hold, its monotonic deadline, the count of
+        # requests submitted before it: later ones are not held).
+        self._holds: dict[str, tuple[threading.Event, float, int]] = {}
+        self._submitted = 0
         self._built = threading.Event()
         self._build: tuple[Any, BaseException | None] = (None, None)
         self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
@@ -306,17 +309,21 @@ class EngineWorker:
                 raise RuntimeError(self._error or "engine is closed")
             state = self.engine.start(prompt_ids, sampling, session_id, method)
             handle = RequestHandle(state, asyncio.get_running_loop(), self.engine.tokenizer)
+            self._submitted += 1
+            handle.number = self._submitted
             self._inbox.put(handle)
             self.in_flight += 1
             self.replies_in_flight += _is_reply(state)
         return handle
 
     def hold_session(self, session_id: str, until: threading.Event, max_s: float) -> None:
-        """Step none of `session_id`'s requests (cancelled ones aside) until `until` is set, or
-        for `max_s` at most: their caller has what it needs for now, and its next need goes
-        faster with the cores (a voice reply's first phrase being synthesised, while the reply
-        decodes what follows it). Other sessions' requests step as before."""
-        self._holds[session_id] = (until, time.monotonic() + max_s)
+        """Step none of `session_id`'s requests submitted so far (cancelled ones aside) until
+        `until` is set, or for `max_s` at most: their caller has what it needs for now, and its
+        next need goes faster with the cores (a voice reply's first phrase being synthesised,
+        while the reply decodes what follows it). Later requests of the session (a turn's next
+        prefill) and other sessions' requests step as before. Safe from any thread."""
+        with self._admit:
+            self._holds[session_id] = (until, time.monotonic() + max_s, self._submitted)
 
     async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
         return await self.submit(prompt_ids, **kwargs).result()
@@ -406,8 +413,7 @@ class EngineWorker:
             if held:
                 going = [handle for handle in going if handle not in held]
                 if not going and not cancelled:
-                    if until is not None:  # None: the hold ended just now
-                        until.wait(HOLD_POLL_S)  # the inbox is looked at between waits
+                    until.wait(HOLD_POLL_S)  # the inbox is looked at between waits
                     continue
             for handles in (cancelled, going):
                 results = self.engine.step_many([handle.state for handle in handles])
@@ -417,17 +423,23 @@ class EngineWorker:
 
     def _held(self, going: list[RequestHandle]
               ) -> tuple[list[RequestHandle], threading.Event | None]:
-        """The requests of `going` whose session is held (`hold_session`), and the event that
-        ends the first one's hold; holds that ended are forgotten."""
+        """The requests of `going` that a hold covers (`hold_session`), and the event that ends
+        the first one's hold; holds that ended are forgotten."""
         if not self._holds:
             return [], None
         now = time.monotonic()
-        for session, (until, deadline) in list(self._holds.items()):
-            if until.is_set() or now >= deadline:
-                self._holds.pop(session, None)
-        held = [h for h in going if h.state.session_id in self._holds]
-        first = self._holds.get(held[0].state.session_id) if held else None
-        return held, first[0] if first else None
+        with self._admit:
+            for session, (until, deadline, _) in list(self._holds.items()):
+                if until.is_set() or now >= deadline:
+                    del self._holds[session]
+            holds = dict(self._holds)
+        held, first = [], None
+        for handle in going:
+            hold = holds.get(handle.state.session_id)
+            if hold is not None and handle.number <= hold[2]:
+                held.append(handle)
+                first = first or hold[0]
+        return held, first
 
     def _stepped(self, handle: RequestHandle, result: list[int] | Exception) -> bool:
         """Hand over one request's step (its tokens, or the exception it raised); False when the

@@ -391,11 +391,14 @@ async def test_a_held_sessions_requests_wait_while_others_step(target, tokenizer
     try:
         alone = await engine.generate(_prompt(tokenizer, "Hello"), session_id="alone")
         until = threading.Event()
-        engine.hold_session("held", until, max_s=60)
         held = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
-        other = await engine.generate(_prompt(tokenizer, "The moon"), session_id="other")
-        assert other.finish_reason == "length"  # another call's request ran to its end
-        assert held.state.token_ids == held.state.prompt_ids  # this one not even prefilled
+        engine.hold_session("held", until, max_s=60)
+        await asyncio.sleep(0)
+        other = await asyncio.wait_for(
+            engine.generate(_prompt(tokenizer, "The moon"), session_id="other"), 30)
+        assert other.finish_reason in ("eos", "length")  # another call's request ran to its end
+        # This one stepped at most once before the hold was in place.
+        assert not held.done and len(held.state.token_ids) - len(held.state.prompt_ids) <= 1
         until.set()
         done = await asyncio.wait_for(held.result(), 30)
         assert done.token_ids == alone.token_ids  # then it decodes what it would have
@@ -406,10 +409,10 @@ async def test_a_held_sessions_requests_wait_while_others_step(target, tokenizer
 async def test_a_hold_ends_at_its_deadline(target, tokenizer):
     engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=4)))
     try:
-        engine.hold_session("held", threading.Event(), max_s=0.3)  # never released
         start = time.perf_counter()
         handle = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
-        first = await anext(aiter(handle))
+        engine.hold_session("held", threading.Event(), max_s=0.3)  # never released
+        first = await asyncio.wait_for(anext(aiter(handle)), 10)
         assert first.t - start >= 0.3  # the first token waited out the hold
         assert (await asyncio.wait_for(handle.result(), 30)).finish_reason == "length"
     finally:
@@ -419,10 +422,21 @@ async def test_a_hold_ends_at_its_deadline(target, tokenizer):
 async def test_a_held_request_that_is_cancelled_ends_at_once(target, tokenizer):
     engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=16)))
     try:
-        engine.hold_session("held", threading.Event(), max_s=60)
         handle = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
+        engine.hold_session("held", threading.Event(), max_s=60)
         await asyncio.sleep(0.05)
         handle.cancel()  # a barge-in during the first phrase
         assert (await asyncio.wait_for(handle.result(), 5)).finish_reason == "cancelled"
+    finally:
+        engine.close()
+
+
+async def test_a_request_submitted_after_its_sessions_hold_is_not_held(target, tokenizer):
+    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=8)))
+    try:
+        engine.hold_session("call", threading.Event(), max_s=60)  # e.g. the turn's next prefill
+        done = await asyncio.wait_for(
+            engine.generate(_prompt(tokenizer, "Hello"), session_id="call"), 30)
+        assert done.finish_reason in ("eos", "length")
     finally:
         engine.close()

@@ -417,7 +417,16 @@ async def test_a_replys_first_phrase_holds_its_calls_engine_requests_while_synth
     """Only the first phrase of a reply holds the call's engine requests, and the hold ends when
     that phrase's audio is out."""
     holds: list[tuple[threading.Event, float]] = []
-    tts = make_tts(TTSConfig(first_phrase_hold_s=0.4), voice,
+    released_at_synthesis: list[bool] = []
+
+    class SpiedVoice:  # each clause's synthesis sees whether the holds so far have ended
+        config = voice.config
+
+        def synthesize(self, text, **kwargs):
+            released_at_synthesis.append(all(until.is_set() for until, _ in holds))
+            return voice.synthesize(text, **kwargs)
+
+    tts = make_tts(TTSConfig(first_phrase_hold_s=0.4), SpiedVoice(),
                    hold_engine=lambda until, max_s: holds.append((until, max_s)))
     send = [
         LLMFullResponseStartFrame(),
@@ -430,11 +439,19 @@ async def test_a_replys_first_phrase_holds_its_calls_engine_requests_while_synth
     assert len([f for f in down if isinstance(f, TTSTextFrame)]) == 3
     [(until, max_s)] = holds
     assert max_s == 0.4 and until.is_set()
+    # released before the second phrase
+    assert len(released_at_synthesis) >= 3 and all(released_at_synthesis[1:])
 
 
-async def test_no_engine_hold_with_first_phrase_hold_off(voice):
+@pytest.mark.parametrize("hold_s,send", [
+    (0.0, [LLMFullResponseStartFrame(), LLMTextFrame("Hello there, how are you today?"),
+           LLMFullResponseEndFrame()]),  # off
+    (0.3, [TTSSpeakFrame("Hello there, how are you today?")]),  # no reply decodes beside it
+])
+async def test_no_engine_hold_when_off_or_for_spoken_text(voice, hold_s, send):
     holds = []
-    tts = make_tts(TTSConfig(first_phrase_hold_s=0), voice,
+    tts = make_tts(TTSConfig(first_phrase_hold_s=hold_s), voice,
                    hold_engine=lambda until, max_s: holds.append(until))
-    await run_test(tts, frames_to_send=[TTSSpeakFrame("Hello there, how are you today?")])
+    down, _ = await run_test(tts, frames_to_send=send)
+    assert any(isinstance(f, TTSAudioRawFrame) for f in down)
     assert holds == []

@@ -96,6 +96,7 @@ class ClausePiperTTSService(TTSService):
         self._voice = voice  # a loaded piper.PiperVoice, shared by every call
         self._worker = worker  # the process's TTS worker (`speech_worker`), shared by every call
         self._first_phrase = True  # the next clause opens a reply: it goes before later ones
+        self._reply = False  # ... a reply the engine decodes (not a TTSSpeakFrame)
         # Holds this call's engine requests while its first phrase is synthesised (until the
         # event is set, at most `first_phrase_hold_s`); None: no in-process engine, or off.
         self._hold_engine = hold_engine if cfg.first_phrase_hold_s > 0 else None
@@ -115,6 +116,8 @@ class ClausePiperTTSService(TTSService):
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         if isinstance(frame, LLMFullResponseStartFrame | TTSSpeakFrame):
             self._first_phrase = True
+            # A spoken template or filler (TTSSpeakFrame) has no reply decoding beside it.
+            self._reply = isinstance(frame, LLMFullResponseStartFrame)
         if isinstance(frame, LLMFullResponseStartFrame):
             prepared = isinstance(frame, PreparedResponseStartFrame)
             self._preparing = prepared and not self._turn_ended
@@ -166,15 +169,20 @@ class ClausePiperTTSService(TTSService):
         """Piper's next chunk on the process's TTS worker (a reply's first phrase before other
         calls' later ones)."""
         first, self._first_phrase = self._first_phrase, False
-        if not first or self._hold_engine is None:
+        if not (first and self._reply) or self._hold_engine is None:
             return await run_on(self._worker, next, chunks, None,
                                 priority=CRITICAL if first else BACKGROUND)
-        done = threading.Event()
-        self._hold_engine(done, self._hold_s)
-        try:
-            return await run_on(self._worker, next, chunks, None, priority=CRITICAL)
-        finally:
-            done.set()
+        hold, max_s = self._hold_engine, self._hold_s
+
+        def held():  # from when Piper starts, not while the job waits behind other calls'
+            done = threading.Event()
+            hold(done, max_s)
+            try:
+                return next(chunks, None)
+            finally:
+                done.set()
+
+        return await run_on(self._worker, held, priority=CRITICAL)
 
 
 def load_tts_voice(cfg: TTSConfig):
