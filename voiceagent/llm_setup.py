@@ -241,7 +241,8 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
         key = {**cost_model.machine_key(next(model.parameters()).device), "part": "invariance",
                "target": cost_model.model_key(model), "file": target.file_sha256, "format": fmt,
                "attention": str(attention), "max_rows": max_rows, "probes": 2,
-               "pool_slots": slots, "max_context": engine_cfg.max_context}
+               "pool_slots": slots, "max_context": engine_cfg.max_context,
+               "lean": lean_llama.REVISION}
         probed = measurements.load_record(key) if measurements else None
         runner = LeanRunner(model, fmt, engine_cfg.max_context, max_rows, gguf,
                             attention_dtype=attention, probed=probed, cache_slots=slots)
@@ -309,7 +310,7 @@ def _choose_format(target: LoadedModel, engine_cfg: EngineConfig, measurements: 
                   "target": cost_model.model_key(target.model), "file": target.file_sha256,
                   "candidates": candidates, "runner": engine_cfg.runner,
                   "max_rows": spec.max_draft_tokens + 1,
-                  "min_agreement": engine_cfg.format_min_agreement}
+                  "min_agreement": engine_cfg.format_min_agreement, "lean": lean_llama.REVISION}
     cached = measurements.load_record(choice_key)
     if cached is not None:
         progress(f"engine.format auto: {cached['chosen']} (measured on this machine "
@@ -368,4 +369,5 @@ def _cost_key(runner: TargetRunner, target: LoadedModel, draft: LoadedModel | No
         "attention": str(runner.lean.attention_dtype) if isinstance(runner, LeanRunner) else None,
         "drafting": "lean" if isinstance(runner, LeanRunner) else "hf",  # draft and EAGLE head
         "max_rows": engine_cfg.speculation.max_draft_tokens + 1,
+        "lean": lean_llama.REVISION if isinstance(runner, LeanRunner) else None,
     }

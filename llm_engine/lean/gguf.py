@@ -1,8 +1,12 @@
-"""A GGUF file's Q4_1 weights as q4 codes, unchanged, under the Hugging Face parameter names.
+"""A GGUF file's Q4_1 weights as q4 codes, and its Q8_0 output head as 8-bit codes, unchanged,
+under the Hugging Face parameter names.
 
 Q4_1 stores each block of 32 weights as an fp16 scale d, an fp16 minimum m and 16 bytes of 4-bit
 codes (element j in the low nibble of byte j, element j + 16 in the high one): w = d * q + m.
 The q4 kernels compute w = (q - 8) * scale + zero, so scale = d and zero = m + 8d.
+
+Q8_0 stores each block of 32 as an fp16 scale d and 32 signed bytes: w = d * q. llama.cpp's
+4-bit files keep the output head (or the tied embedding) so: `linear.Q8Linear` runs it.
 
 llama.cpp's converter permutes the rows of the query and key weights for its rotary layout;
 transformers' GGUF loader permutes them back, and so does this (rows move whole, so the blocks
@@ -19,6 +23,10 @@ import torch
 
 BLOCK = 32
 _Q4_1_BYTES = 20  # d (fp16), m (fp16), 16 bytes of codes
+_Q8_0_BYTES = 34  # d (fp16), 32 signed bytes of codes
+# The output head, or the input embedding that a tied head reads (the converter then writes no
+# `output.weight`).
+_HEAD_NAMES = {"output.weight": "lm_head.weight", "token_embd.weight": "model.embed_tokens.weight"}
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -40,6 +48,33 @@ class Q4Weight:
     def dequantised(self) -> torch.Tensor:
         q = self.codes.float().reshape(*self.scales.shape, BLOCK)
         return (q * self.scales[..., None] + self.mins[..., None]).reshape(self.codes.shape)
+
+
+@dataclass
+class Q8Weight:
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in / 32] float32 (the file's fp16 d)
+
+    def dequantised(self) -> torch.Tensor:
+        q = self.codes.float().reshape(*self.scales.shape, BLOCK)
+        return (q * self.scales[..., None]).reshape(self.codes.shape)
+
+
+def read_q8_0_heads(path: str | Path) -> dict[str, Q8Weight]:
+    """The output head and the input embedding where the file stores them as Q8_0, by their HF
+    names ('lm_head.weight', 'model.embed_tokens.weight')."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    out: dict[str, Q8Weight] = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        name = _HEAD_NAMES.get(tensor.name)
+        if name is not None and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+            raw = np.asarray(tensor.data)
+            blocks = raw.reshape(raw.shape[0], -1, _Q8_0_BYTES)  # [out, in / 32, 34]
+            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            codes = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+            out[name] = Q8Weight(torch.from_numpy(codes), torch.from_numpy(d))
+    return out
 
 
 def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Q4Weight]:

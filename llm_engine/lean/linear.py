@@ -7,6 +7,9 @@
   `aten._weight_int4pack_mm_for_cpu` on a CPU, `aten._weight_int4pack_mm` on CUDA (gpt-fast's
   int4 path). A GGUF's Q4_1 blocks (w = d * q + m) map onto it with the codes unchanged:
   scale = d, zero = m + 8d (`llm_engine.lean.gguf`).
+- q8 in groups of 32 (a GGUF's Q8_0 head, w = d * q): the same int4 kernel over the codes' two
+  nibbles, q = 16 hi + lo, as one product of twice the outputs whose halves are summed. On a
+  Zen 4 EPYC, the 49152 x 576 head of SmolLM2: 3.2 ms a row against 4.3 for the int8 kernel.
 
 The kernels take activations in bf16: with fp32 activations both CPU kernels are 10-20x slower.
 """
@@ -104,6 +107,34 @@ class Int4Linear(nn.Module):
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [out, groups]
         q = self.codes.float().reshape(self.out_features, -1, GROUP)
         return ((q - 8) * scales[..., None] + zeros[..., None]).reshape(self.codes.shape)
+
+
+class Q8Linear(nn.Module):
+    """8-bit codes in groups of GROUP inputs with one scale each (w = d * q, q in -128..127), run
+    as two 4-bit halves by the int4 kernel: hi = floor(q / 16) with scale 16d, lo = q - 16 hi
+    with scale d (zero 8d, so that (lo - 8) d + 8d = lo d)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None):
+        """codes [out, in] int8; scales [out, in / GROUP] (the d of each group)."""
+        super().__init__()
+        self.codes = codes.to(torch.int8)  # kept: what the tests compare with the file
+        self.out_features = codes.shape[0]
+        q = codes.to(torch.int32)
+        hi = torch.div(q, 16, rounding_mode="floor")
+        scales = scales.float()
+        self.halves = Int4Linear(torch.cat([hi + 8, q - 16 * hi]), torch.cat([16 * scales, scales]),
+                                 torch.cat([torch.zeros_like(scales), 8 * scales]), dtype)
+        self.bias = None if bias is None else bias.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        both = self.halves(x)  # [n, 2 * out]
+        out = both[:, : self.out_features] + both[:, self.out_features :]
+        return out if self.bias is None else out + self.bias
+
+    def dequantised(self) -> torch.Tensor:
+        half = self.halves.dequantised()
+        return half[: self.out_features] + half[self.out_features :]
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:

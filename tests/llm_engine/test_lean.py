@@ -136,6 +136,18 @@ def test_int8_quantisation_keeps_each_weight_within_half_a_step():
     assert ((layer.dequantised() - weight).abs() <= step / 2 + 1e-6).all()
 
 
+def test_an_8_bit_groups_layer_computes_the_product_of_its_codes_through_the_4_bit_kernel():
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-128, 128, (16, 64), generator=generator, dtype=torch.int32)
+    scales = torch.rand(16, 2, generator=generator) * 0.01  # powers of two apart: exact in bf16
+    scales = 2.0 ** torch.round(torch.log2(scales))
+    layer = linear.Q8Linear(codes.to(torch.int8), scales, torch.bfloat16)
+    weight = codes.float() * scales.repeat_interleave(32, dim=1)
+    assert torch.equal(layer.dequantised(), weight)  # both nibbles, every sign
+    x = torch.randn(3, 64, generator=generator).bfloat16()
+    torch.testing.assert_close(layer(x).float(), x.float() @ weight.t(), rtol=2e-2, atol=2e-3)
+
+
 def test_an_architecture_outside_the_family_is_refused_with_the_reason():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -1,5 +1,5 @@
-"""q4 on the embedded target: the GGUF's Q4_1 codes go into the kernel unchanged, and greedy
-speculation on the lean runner is token-identical to its plain decoding."""
+"""q4 on the embedded target: the GGUF's Q4_1 codes and its Q8_0 head go into the kernel
+unchanged, and greedy speculation on the lean runner is token-identical to its plain decoding."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
-from llm_engine.lean.gguf import read_q4_1
+from llm_engine.lean.gguf import read_q4_1, read_q8_0_heads
+from llm_engine.lean.linear import Q8Linear
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.prompts import encode_chat
 from voiceagent.prompt_sets import heldout_conversations
@@ -45,6 +46,20 @@ def test_the_q4_codes_are_the_ggufs_and_only_scales_and_zeros_round(smollm2, q4)
     bound = (8 * scales.abs() + zeros.abs()) * 2.0 ** -8
     assert ((ours - file).abs() <= bound).all()
     assert not torch.equal(ours, file)  # the rounding is real: the test would see a change
+
+
+def test_the_q4_head_is_the_ggufs_q8_0_codes_and_only_their_scales_round(smollm2, q4):
+    heads = read_q8_0_heads(smollm2.source)
+    head = heads["model.embed_tokens.weight"]  # SmolLM2's head is its tied embedding
+    reference = smollm2.model.get_output_embeddings().weight.detach()
+    assert torch.equal(head.dequantised(), reference)  # what transformers de-quantised
+    assert isinstance(q4.lean.head, Q8Linear)
+    assert torch.equal(q4.lean.head.codes, head.codes)
+    # bf16 keeps 8 bits of each scale: a weight moves by at most 128 of its ulps
+    scales = head.scales.repeat_interleave(32, dim=1)
+    ours = q4.lean.head.dequantised()
+    assert ((ours - reference).abs() <= 128 * scales.abs() * 2.0 ** -8).all()
+    assert not torch.equal(ours, reference)  # the rounding is real: the test would see a change
 
 
 def test_greedy_speculation_on_q4_equals_plain_decoding_on_20_held_out_prompts(
