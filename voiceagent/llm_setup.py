@@ -196,7 +196,8 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
     machine = {k: v for k, v in cost_model.machine_key(runner.device).items() if k != "threads"}
     key = {**machine, "part": "threads", "target": cost_model.model_key(target.model),
            "format": runner.format, "runner": runner.name, "counts": counts,
-           "beside": beside.name if beside else "nothing"}
+           "beside": beside.name if beside else "nothing",
+           "lean": lean_llama.REVISION if isinstance(runner, LeanRunner) else None}
     record = measurements.load_record(key)
     if record is None:
         progress(f"measuring the engine's step on {', '.join(map(str, counts))} threads beside "

@@ -60,21 +60,20 @@ class Q8Weight:
         return (q * self.scales[..., None]).reshape(self.codes.shape)
 
 
-def read_q8_0_heads(path: str | Path) -> dict[str, Q8Weight]:
-    """The output head and the input embedding where the file stores them as Q8_0, by their HF
-    names ('lm_head.weight', 'model.embed_tokens.weight')."""
+def read_q8_0_head(path: str | Path, name: str) -> Q8Weight | None:
+    """The output head ('lm_head.weight') or the input embedding a tied head reads
+    ('model.embed_tokens.weight'), where the file stores it as Q8_0; else None."""
     from gguf import GGMLQuantizationType, GGUFReader
 
-    out: dict[str, Q8Weight] = {}
     for tensor in GGUFReader(str(path)).tensors:
-        name = _HEAD_NAMES.get(tensor.name)
-        if name is not None and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+        if _HEAD_NAMES.get(tensor.name) == name \
+                and tensor.tensor_type == GGMLQuantizationType.Q8_0:
             raw = np.asarray(tensor.data)
             blocks = raw.reshape(raw.shape[0], -1, _Q8_0_BYTES)  # [out, in / 32, 34]
             d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
             codes = blocks[..., 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
-            out[name] = Q8Weight(torch.from_numpy(codes), torch.from_numpy(d))
-    return out
+            return Q8Weight(torch.from_numpy(codes), torch.from_numpy(d))
+    return None
 
 
 def read_q4_1(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Q4Weight]:

@@ -9,7 +9,8 @@
   scale = d, zero = m + 8d (`llm_engine.lean.gguf`).
 - q8 in groups of 32 (a GGUF's Q8_0 head, w = d * q): the same int4 kernel over the codes' two
   nibbles, q = 16 hi + lo, as one product of twice the outputs whose halves are summed. On a
-  Zen 4 EPYC, the 49152 x 576 head of SmolLM2: 3.2 ms a row against 4.3 for the int8 kernel.
+  Zen 4 EPYC, the 49152 x 576 head of SmolLM2: 3.2 ms a row against 4.3 for the int8 kernel
+  (docs/BENCHMARKS.md, "The q4 head from the file's Q8_0 codes").
 
 The kernels take activations in bf16: with fp32 activations both CPU kernels are 10-20x slower.
 """
@@ -95,11 +96,7 @@ class Int4Linear(nn.Module):
         return cls(codes.reshape(weight.shape), scales, low + 8 * scales, dtype, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed.device.type == "cuda":
-            out = torch.ops.aten._weight_int4pack_mm(x, self.packed, GROUP, self.scales_zeros)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP,
-                                                             self.scales_zeros)
+        out = _int4_mm(x, self.packed, self.scales_zeros)
         return out if self.bias is None else out + self.bias
 
     def dequantised(self) -> torch.Tensor:
@@ -111,30 +108,50 @@ class Int4Linear(nn.Module):
 
 class Q8Linear(nn.Module):
     """8-bit codes in groups of GROUP inputs with one scale each (w = d * q, q in -128..127), run
-    as two 4-bit halves by the int4 kernel: hi = floor(q / 16) with scale 16d, lo = q - 16 hi
-    with scale d (zero 8d, so that (lo - 8) d + 8d = lo d)."""
+    as two 4-bit halves in one product of the int4 kernel: hi = floor(q / 16) (code hi + 8,
+    scale 16d, zero 8d) and lo = q - 16 hi (code lo, scale d, zero 0). Each half is centred
+    (16d (hi + 1/2) and (lo - 8) d), so neither carries an offset the other must cancel after
+    both were rounded; they are summed in fp32, and the result is fp32 (a head's logits)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                  bias: torch.Tensor | None = None):
         """codes [out, in] int8; scales [out, in / GROUP] (the d of each group)."""
         super().__init__()
+        out_features, in_features = codes.shape
+        if in_features % GROUP or out_features % 4:
+            raise ValueError(f"a q8 weight needs inputs in groups of {GROUP} and outputs in "
+                             f"fours; got {out_features} x {in_features}")
+        self.out_features = out_features
         self.codes = codes.to(torch.int8)  # kept: what the tests compare with the file
-        self.out_features = codes.shape[0]
-        q = codes.to(torch.int32)
-        hi = torch.div(q, 16, rounding_mode="floor")
-        scales = scales.float()
-        self.halves = Int4Linear(torch.cat([hi + 8, q - 16 * hi]), torch.cat([16 * scales, scales]),
-                                 torch.cat([torch.zeros_like(scales), 8 * scales]), dtype)
-        self.bias = None if bias is None else bias.to(dtype)
+        self.scales = scales.float()
+        halves = torch.cat([(self.codes >> 4).to(torch.uint8) + 8,  # >> floors: -8..7, then 0..15
+                            (self.codes & 15).to(torch.uint8)])
+        self.packed = _pack(halves)
+        d = self.scales
+        self.scales_zeros = torch.stack([torch.cat([16 * d, d]).t(),
+                                         torch.cat([8 * d, torch.zeros_like(d)]).t()],
+                                        dim=-1).to(dtype).contiguous()  # [groups, 2 out, 2]
+        self.bias = None if bias is None else bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        both = self.halves(x)  # [n, 2 * out]
-        out = both[:, : self.out_features] + both[:, self.out_features :]
+        both = _int4_mm(x, self.packed, self.scales_zeros)  # [n, 2 out]
+        out = both[:, : self.out_features].float() + both[:, self.out_features :].float()
         return out if self.bias is None else out + self.bias
 
     def dequantised(self) -> torch.Tensor:
-        half = self.halves.dequantised()
-        return half[: self.out_features] + half[self.out_features :]
+        """The weights the kernel multiplies by (the scales rounded to the activation dtype)."""
+        sz = self.scales_zeros.float()  # [groups, 2 out, 2]
+        scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [2 out, groups]
+        q = self.codes.to(torch.int32).reshape(self.out_features, -1, GROUP)
+        codes = torch.cat([(q >> 4) + 8, q & 15]).float()  # [2 out, groups, GROUP]
+        w = (codes - 8) * scales[..., None] + zeros[..., None]
+        return (w[: self.out_features] + w[self.out_features :]).reshape(self.codes.shape)
+
+
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    if packed.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, scales_zeros)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scales_zeros)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:

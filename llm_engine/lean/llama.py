@@ -23,16 +23,16 @@ import torch
 from torch import nn
 
 from llm_engine.lean import linear
-from llm_engine.lean.gguf import Q4Weight, read_q4_1, read_q8_0_heads
+from llm_engine.lean.gguf import Q4Weight, Q8Weight, read_q4_1, read_q8_0_head
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 FORMATS = ("float32", "bfloat16", "float16", "int8", "q4")
 # Forwards of up to ROWS rows attend row-invariantly over keys rounded up to KEY_BLOCK.
 ROWS = 16
 KEY_BLOCK = 64
-# Bumped when a format's arithmetic changes (2: q4's head from a GGUF's Q8_0 codes), so that the
-# invariance probes, cost curves and format choices cached under the old one are measured again.
-REVISION = 2
+# Bumped when a format's arithmetic changes (3: q4's head from a GGUF's Q8_0 codes), so that the
+# invariance probes, costs, threads and format choices cached under the old one are measured again.
+REVISION = 3
 
 
 def whole_key_blocks(positions: int) -> int:
@@ -244,7 +244,6 @@ class LeanLlama(nn.Module):
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
         codes = read_q4_1(gguf_file, self.heads, self.kv_heads) \
             if fmt == "q4" and gguf_file else {}
-        heads = read_q8_0_heads(gguf_file) if fmt == "q4" and gguf_file else {}
         params = dict(model.named_parameters())
 
         def proj(module: nn.Linear) -> nn.Module:
@@ -268,22 +267,34 @@ class LeanLlama(nn.Module):
         embed = decoder.embed_tokens
         self.embed = None if embed is None else embed.weight.detach().to(self.dtype)
         head = model.get_output_embeddings()
-        weight = getattr(head, "weight", None)
-        head_name = next((n for n, p in params.items() if p is weight), "")
+        q8_head = self._file_head(model, params, gguf_file) if fmt == "q4" and gguf_file else None
         if head is None:
             self.head = None
         elif not isinstance(head, nn.Linear):  # a compact draft's reduced-vocabulary head
             self.head = _OwnHead(head)
         elif fmt in ("float32", "bfloat16", "float16"):
             self.head = self._dense(head)
-        elif (q8 := heads.get(head_name)) is not None:
+        elif q8_head is not None:
             # The file's own 8-bit head, unchanged: closer to the reference than one quantised
             # again per channel, and cheaper (`linear.Q8Linear`).
-            self.head = linear.Q8Linear(q8.codes.to(self.device), q8.scales.to(self.device),
-                                        self.dtype, _bias(head))
+            self.head = linear.Q8Linear(q8_head.codes.to(self.device),
+                                        q8_head.scales.to(self.device), self.dtype, _bias(head))
         else:
             self.head = linear.Int8Linear.quantise(head.weight.detach(), self.dtype, _bias(head))
         self.q4_from_file = len(codes)
+
+    @staticmethod
+    def _file_head(model: nn.Module, params: dict, gguf_file: str | Path) -> Q8Weight | None:
+        """The output head as the file stores it, where that is Q8_0 and `linear.Q8Linear` can
+        run it (the model's shape, outputs in fours); else None."""
+        head = model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            return None
+        name = next((n for n, p in params.items() if p is head.weight), None)  # tied: the embedding
+        q8 = read_q8_0_head(gguf_file, name) if name else None
+        if q8 is None or q8.codes.shape != head.weight.shape or q8.codes.shape[0] % 4:
+            return None
+        return q8
 
     def linear(self, module: nn.Linear, q4: Q4Weight | None = None) -> nn.Module:
         """`module` in this forward's format (q4: the file's codes when given)."""

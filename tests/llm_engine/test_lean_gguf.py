@@ -11,7 +11,7 @@ import torch
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
-from llm_engine.lean.gguf import read_q4_1, read_q8_0_heads
+from llm_engine.lean.gguf import read_q4_1, read_q8_0_head
 from llm_engine.lean.linear import Q8Linear
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.prompts import encode_chat
@@ -49,13 +49,13 @@ def test_the_q4_codes_are_the_ggufs_and_only_scales_and_zeros_round(smollm2, q4)
 
 
 def test_the_q4_head_is_the_ggufs_q8_0_codes_and_only_their_scales_round(smollm2, q4):
-    heads = read_q8_0_heads(smollm2.source)
-    head = heads["model.embed_tokens.weight"]  # SmolLM2's head is its tied embedding
+    head = read_q8_0_head(smollm2.source, "model.embed_tokens.weight")  # SmolLM2's is tied
     reference = smollm2.model.get_output_embeddings().weight.detach()
     assert torch.equal(head.dequantised(), reference)  # what transformers de-quantised
     assert isinstance(q4.lean.head, Q8Linear)
     assert torch.equal(q4.lean.head.codes, head.codes)
-    # bf16 keeps 8 bits of each scale: a weight moves by at most 128 of its ulps
+    # 16d, 8d and d round alike in bf16 (8 significant bits), so a weight is q * bf16(d): off
+    # by at most |q| <= 128 times 2^-8 |d|
     scales = head.scales.repeat_interleave(32, dim=1)
     ours = q4.lean.head.dequantised()
     assert ((ours - reference).abs() <= 128 * scales.abs() * 2.0 ** -8).all()
