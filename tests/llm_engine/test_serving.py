@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -386,9 +387,14 @@ async def test_a_bad_scoring_job_fails_alone(serving, tokenizer):
     assert (await serving.generate(_prompt(tokenizer, "Hello"))).finish_reason in ("eos", "length")
 
 
+def _plain_worker(target, tokenizer, max_new: int):
+    """A worker over the `off` engine, closed when the `with` block ends."""
+    return contextlib.closing(
+        EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=max_new))))
+
+
 async def test_a_held_sessions_requests_wait_while_others_step(target, tokenizer):
-    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=16)))
-    try:
+    with _plain_worker(target, tokenizer, 16) as engine:
         alone = await engine.generate(_prompt(tokenizer, "Hello"), session_id="alone")
         until = threading.Event()
         held = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
@@ -402,41 +408,30 @@ async def test_a_held_sessions_requests_wait_while_others_step(target, tokenizer
         until.set()
         done = await asyncio.wait_for(held.result(), 30)
         assert done.token_ids == alone.token_ids  # then it decodes what it would have
-    finally:
-        engine.close()
 
 
 async def test_a_hold_ends_at_its_deadline(target, tokenizer):
-    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=4)))
-    try:
+    with _plain_worker(target, tokenizer, 4) as engine:
         start = time.perf_counter()
         handle = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
         engine.hold_session("held", threading.Event(), max_s=0.3)  # never released
         first = await asyncio.wait_for(anext(aiter(handle)), 10)
         assert first.t - start >= 0.3  # the first token waited out the hold
         assert (await asyncio.wait_for(handle.result(), 30)).finish_reason == "length"
-    finally:
-        engine.close()
 
 
 async def test_a_held_request_that_is_cancelled_ends_at_once(target, tokenizer):
-    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=16)))
-    try:
+    with _plain_worker(target, tokenizer, 16) as engine:
         handle = engine.submit(_prompt(tokenizer, "Hello"), session_id="held")
         engine.hold_session("held", threading.Event(), max_s=60)
         await asyncio.sleep(0.05)
         handle.cancel()  # a barge-in during the first phrase
         assert (await asyncio.wait_for(handle.result(), 5)).finish_reason == "cancelled"
-    finally:
-        engine.close()
 
 
 async def test_a_request_submitted_after_its_sessions_hold_is_not_held(target, tokenizer):
-    engine = EngineWorker(SpeculativeEngine(target, tokenizer, _config("off", max_new=8)))
-    try:
+    with _plain_worker(target, tokenizer, 8) as engine:
         engine.hold_session("call", threading.Event(), max_s=60)  # e.g. the turn's next prefill
         done = await asyncio.wait_for(
             engine.generate(_prompt(tokenizer, "Hello"), session_id="call"), 30)
         assert done.finish_reason in ("eos", "length")
-    finally:
-        engine.close()
