@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.lean.gguf import read_q4_1, read_q8_0_head
 from llm_engine.lean.linear import Q8Linear
+from llm_engine.lean.llama import LeanLlama
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.prompts import encode_chat
 from voiceagent.prompt_sets import heldout_conversations
@@ -60,6 +62,16 @@ def test_the_q4_head_is_the_ggufs_q8_0_codes_and_only_their_scales_round(smollm2
     ours = q4.lean.head.dequantised()
     assert ((ours - reference).abs() <= 128 * scales.abs() * 2.0 ** -8).all()
     assert not torch.equal(ours, reference)  # the rounding is real: the test would see a change
+
+
+def test_a_files_head_of_another_shape_is_not_taken(smollm2):
+    # A tied model whose embedding is not the file's shape keeps a head of its own.
+    tiny = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    assert LeanLlama._file_head(smollm2.model, dict(smollm2.model.named_parameters()),
+                                smollm2.source) is not None
+    assert LeanLlama._file_head(tiny, dict(tiny.named_parameters()), smollm2.source) is None
 
 
 def test_greedy_speculation_on_q4_equals_plain_decoding_on_20_held_out_prompts(
