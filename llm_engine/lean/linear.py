@@ -123,11 +123,10 @@ class Q8Linear(nn.Module):
                              f"fours; got {out_features} x {in_features}")
         self.out_features = out_features
         self.codes = codes.to(torch.int8)  # kept: what the tests compare with the file
-        self.scales = scales.float()
         halves = torch.cat([(self.codes >> 4).to(torch.uint8) + 8,  # >> floors: -8..7, then 0..15
                             (self.codes & 15).to(torch.uint8)])
         self.packed = _pack(halves)
-        d = self.scales
+        d = scales.float()
         self.scales_zeros = torch.stack([torch.cat([16 * d, d]).t(),
                                          torch.cat([8 * d, torch.zeros_like(d)]).t()],
                                         dim=-1).to(dtype).contiguous()  # [groups, 2 out, 2]
