@@ -361,13 +361,18 @@ def test_a_score_that_goes_on_from_the_last_runs_only_its_new_tokens(target, tok
     assert ran == [len(short), len(longer) - len(short)]
 
 
-async def test_a_one_token_prefill_is_in_flight_but_not_a_reply(serving, tokenizer):
-    prefill = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=1))
-    reply = serving.submit(_prompt(tokenizer, "Hello, how can I help you today?"))
-    assert (serving.in_flight, serving.replies_in_flight) == (2, 1)
-    await prefill.result()
-    await reply.result()
-    assert (serving.in_flight, serving.replies_in_flight) == (0, 0)
+async def test_a_one_token_prefill_is_in_flight_but_not_a_reply(target, tokenizer):
+    with _plain_worker(target, tokenizer, 16) as serving:
+        gate = threading.Event()  # no step runs until the counts are read
+        step_many = serving.engine.step_many
+        serving.engine.step_many = lambda states: (gate.wait(30), step_many(states))[1]
+        prefill = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=1))
+        reply = serving.submit(_prompt(tokenizer, "Hello, how can I help you today?"))
+        assert (serving.in_flight, serving.replies_in_flight) == (2, 1)
+        gate.set()
+        await prefill.result()
+        await reply.result()
+        assert (serving.in_flight, serving.replies_in_flight) == (0, 0)
 
 
 async def test_a_score_of_several_tokens_is_their_summed_probability(serving, target, tokenizer):
