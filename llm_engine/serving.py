@@ -28,6 +28,7 @@ worker then serves again after a backoff (0.5 s, doubling), up to `restarts` tim
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -36,6 +37,8 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from llm_engine.config import SamplingConfig
 from llm_engine.detok import IncrementalDetokenizer, StopMatcher
@@ -232,6 +235,19 @@ class _Job:
             pass
 
 
+class _CallJob(_Job):
+    """A `_Job` for a caller on a thread without an event loop (`EngineWorker.call`)."""
+
+    def __init__(self, fn: Callable[[SpeculativeEngine], Any]):
+        self.fn, self.future = fn, concurrent.futures.Future()
+
+    def _post(self, result: Any, exc: BaseException | None) -> None:
+        if exc is not None:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
     if future.done():  # the caller stopped waiting
         return
@@ -269,6 +285,10 @@ class EngineWorker:
         # requests submitted before it: later ones are not held).
         self._holds: dict[str, tuple[threading.Event, float, int]] = {}
         self._submitted = 0
+        # Other work that shares the cores (`share_cores`): (is it running, threads then,
+        # threads otherwise); and the worker thread's torch threads as last set.
+        self._sharing: tuple[Callable[[], bool], int, int] | None = None
+        self._threads = 0
         self._built = threading.Event()
         self._build: tuple[Any, BaseException | None] = (None, None)
         self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
@@ -324,6 +344,24 @@ class EngineWorker:
         prefill) and other sessions' requests step as before. Safe from any thread."""
         with self._admit:
             self._holds[session_id] = (until, time.monotonic() + max_s, self._submitted)
+
+    def share_cores(self, busy: Callable[[], bool], threads: int, otherwise: int) -> None:
+        """Step on `threads` CPU threads while `busy()` (other work on the cores, such as speech
+        recognition, is running) and on `otherwise` when it is not; looked at before each round
+        of steps. An OpenMP team waits for its slowest thread, and a thread that lost its core
+        to the other work holds up every kernel of the step. The counts must give the same
+        logits (`llm_engine.threads.identical_logits`): a token must not depend on timing."""
+        self._sharing = (busy, threads, otherwise)
+
+    def call(self, fn: Callable[[SpeculativeEngine], Any]) -> Any:
+        """fn(engine) on the worker thread between two rounds of steps, for setup code on a
+        thread without an event loop; blocks until it returns, and raises what it raised."""
+        job = _CallJob(fn)
+        with self._admit:
+            if self._closed or self._error is not None:
+                raise RuntimeError(self._error or "engine is closed")
+            self._inbox.put(job)
+        return job.future.result()
 
     async def generate(self, prompt_ids: list[int], **kwargs) -> Completion:
         return await self.submit(prompt_ids, **kwargs).result()
@@ -398,6 +436,7 @@ class EngineWorker:
                         self._shutdown(active)
                         return
                     if isinstance(item, _Job):
+                        self._fit_threads()
                         item.run(self.engine)
                     else:
                         active.append(item)
@@ -415,11 +454,22 @@ class EngineWorker:
                 if not going and not cancelled:
                     until.wait(HOLD_POLL_S)  # the inbox is looked at between waits
                     continue
+            self._fit_threads()
             for handles in (cancelled, going):
                 results = self.engine.step_many([handle.state for handle in handles])
                 for handle, result in zip(handles, results, strict=True):
                     if not self._stepped(handle, result):
                         active.remove(handle)
+
+    def _fit_threads(self) -> None:
+        """torch's threads as `share_cores` asks for now (this thread's; cheap when unchanged)."""
+        if self._sharing is None:
+            return
+        busy, threads, otherwise = self._sharing
+        wanted = threads if busy() else otherwise
+        if wanted != self._threads:
+            torch.set_num_threads(wanted)
+            self._threads = wanted
 
     def _held(self, going: list[RequestHandle]
               ) -> tuple[list[RequestHandle], threading.Event | None]:

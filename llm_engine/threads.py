@@ -78,3 +78,28 @@ def fewest_as_fast(step_ms: dict[int, float]) -> int:
     """The fewest threads whose step is within `_TIE` of the fastest."""
     best = min(step_ms.values())
     return min(n for n, ms in step_ms.items() if ms <= best * _TIE)
+
+
+def identical_logits(runner: TargetRunner, counts: list[int], context: int = 64,
+                     rows: int = 4) -> bool:
+    """Whether a prefill, a decode row and a verify of `rows` rows give bit-identical logits on
+    each of `counts` threads: only then may the engine change its thread count between steps
+    (`EngineWorker.share_cores`) without a token depending on timing. torch's threads are left
+    as they were."""
+    ids = torch.randint(0, vocab_size(runner.model), (1, context + 1 + rows),
+                        generator=torch.Generator().manual_seed(0)).to(runner.device)
+    was = torch.get_num_threads()
+    seen = []
+    try:
+        with torch.inference_mode():
+            for n in counts:
+                torch.set_num_threads(n)
+                cache = runner.new_cache()
+                seen.append([runner.forward(cache, part, last_only=last).logits.clone()
+                             for part, last in ((ids[:, :context], True),
+                                                (ids[:, context:context + 1], False),
+                                                (ids[:, context + 1:], False))])
+    finally:
+        torch.set_num_threads(was)
+    return all(torch.equal(a, b) for other in seen[1:] for a, b in zip(seen[0], other,
+                                                                       strict=True))

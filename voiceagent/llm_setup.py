@@ -184,13 +184,43 @@ def build_runtime(
                       torch.get_num_threads() if runner.device.type == "cpu" else None)
 
 
+def threads_beside(engine_cfg: EngineConfig, runtime: LLMRuntime, cache_dir: str,
+                   beside: threads.Load, progress: Callable[[str], None] = print) -> int | None:
+    """With `engine.threads: auto` on a CPU: the engine's thread count, of those up to its own
+    (`runtime.threads`), whose step is fastest while `beside` runs (speech recognition),
+    measured once per machine and cached; None when it is the engine's own count, or when its
+    logits differ from those on the engine's own count (a token must not depend on timing).
+    torch's threads are left as they were. Call it on the engine's thread (`EngineWorker.call`);
+    `EngineWorker.share_cores` then steps on it while that work runs."""
+    if not runtime.threads or runtime.threads == 1:
+        return None
+    runner = runtime.engine.runner
+    measurements = CostModelCache(Path(cache_dir).expanduser() / "cost")
+    counts = [n for n in threads.candidates() if n <= runtime.threads]
+    try:
+        record = _choose_threads(engine_cfg, runner, runtime.target, measurements, beside,
+                                 progress, counts)
+    finally:
+        torch.set_num_threads(runtime.threads)
+    chosen = record["chosen"] if record else None
+    if chosen is None or chosen == runtime.threads:
+        return None
+    if not threads.identical_logits(runner, [chosen, runtime.threads]):
+        progress(f"the engine keeps {runtime.threads} threads beside {beside.name}: its logits "
+                 f"on {chosen} differ")
+        return None
+    return chosen
+
+
 def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: LoadedModel,
                     measurements: CostModelCache, beside: threads.Load | None,
-                    progress: Callable[[str], None]) -> dict | None:
-    """With `engine.threads: auto` on a CPU of several cores: the count `llm_engine.threads`
-    measures fastest beside `beside`, measured once per machine, model, format and load, and
-    cached. Sets torch's threads to it; returns the record (None: nothing chosen)."""
-    counts = threads.candidates()
+                    progress: Callable[[str], None], counts: list[int] | None = None
+                    ) -> dict | None:
+    """With `engine.threads: auto` on a CPU of several cores: the count of `counts` (1, 2, 4,
+    ... up to the cores when None) that `llm_engine.threads` measures fastest beside `beside`,
+    measured once per machine, model, format and load, and cached. Sets torch's threads to it;
+    returns the record (None: nothing chosen)."""
+    counts = counts or threads.candidates()
     if engine_cfg.threads != "auto" or runner.device.type != "cpu" or len(counts) == 1:
         return None
     machine = {k: v for k, v in cost_model.machine_key(runner.device).items() if k != "threads"}

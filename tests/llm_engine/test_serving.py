@@ -440,3 +440,30 @@ async def test_a_request_submitted_after_its_sessions_hold_is_not_held(target, t
         done = await asyncio.wait_for(
             engine.generate(_prompt(tokenizer, "Hello"), session_id="call"), 30)
         assert done.finish_reason in ("eos", "length")
+
+
+async def test_a_worker_sharing_the_cores_steps_on_fewer_threads_while_the_other_work_runs(
+        target, tokenizer):
+    with _plain_worker(target, tokenizer, 4) as serving:
+        busy, seen = [True], []
+        step_many = serving.engine.step_many
+
+        def recorded(states):
+            seen.append((busy[0], torch.get_num_threads()))
+            return step_many(states)
+
+        serving.engine.step_many = recorded
+        serving.share_cores(lambda: busy[0], 1, 2)
+        await serving.generate(_prompt(tokenizer, "Hello"))
+        busy[0] = False
+        await serving.generate(_prompt(tokenizer, "The moon"))
+    assert {threads for was_busy, threads in seen if was_busy} == {1}
+    assert {threads for was_busy, threads in seen if not was_busy} == {2}
+
+
+def test_a_call_runs_on_the_worker_thread_and_raises_what_it_raised(serving):
+    assert serving.call(lambda engine: threading.current_thread().name) == "llm-engine"
+    with pytest.raises(ZeroDivisionError):
+        serving.call(lambda engine: 1 / 0)
+    assert serving.worker_alive
+

@@ -53,3 +53,28 @@ def test_each_count_is_timed_while_the_load_runs_and_the_choice_is_set(target, t
     assert {count for _, count in timed} == {1, 2}  # both counts ran
     assert all(started == 1 for started, _ in timed)  # every forward inside the load
     assert events[-1][0] == "stop" and torch.get_num_threads() == chosen
+
+
+def test_logits_that_differ_with_the_thread_count_are_found(target, torch_threads):
+    runner = EagerRunner(target)
+    forward = runner.forward
+
+    def on_one_thread(*args, **kwargs):  # the kernels ignore the count the engine asks for
+        asked = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            torch.set_num_threads(asked)
+
+    def thread_dependent(*args, **kwargs):
+        out = on_one_thread(*args, **kwargs)
+        out.logits.add_(torch.get_num_threads() * 1e-6)
+        return out
+
+    torch.set_num_threads(2)
+    runner.forward = on_one_thread
+    assert threads.identical_logits(runner, [1, 2], context=16)
+    runner.forward = thread_dependent
+    assert not threads.identical_logits(runner, [1, 2], context=16)
+    assert torch.get_num_threads() == 2  # left as it was

@@ -1,11 +1,14 @@
 """The process-wide models a call's pipeline is built over."""
 
 
+import asyncio
 import os
 import re
+import threading
 import time
 
 import pytest
+from threadpoolctl import threadpool_info
 
 from audio.config import ASRConfig
 from audio.loaders import load_whisper
@@ -14,6 +17,7 @@ from tests.voiceagent.tiny_shared import tiny_shared
 from voiceagent.pipeline import stt
 from voiceagent.pipeline.builder import build_call
 from voiceagent.pipeline.speech_models import SpeechModels, _synthesising
+from voiceagent.pipeline.speech_worker import SpeechWorker
 from voiceagent.pipeline.stt import asr_threads
 
 CORES = len(os.sched_getaffinity(0))
@@ -87,3 +91,30 @@ def test_a_negative_asr_thread_count_is_refused():
 def test_the_shared_models_run_whisper_beside_the_engines_threads(models):
     assert models.llm.threads >= 1  # the engine runs on this CPU
     assert models.speech.asr_threads == max(1, CORES - models.llm.threads)
+
+
+def test_whisper_on_a_set_thread_count_gives_numpys_blas_as_many(tmp_path):
+    load_whisper(stt.resolve("whisper-tiny.en", "asr").location, cpu_threads=1)
+    blas = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+    assert blas and set(blas) == {1}
+
+
+async def test_a_speech_worker_is_busy_only_while_a_job_runs():
+    worker = SpeechWorker("test-worker")
+    started, release = threading.Event(), threading.Event()
+
+    def job() -> None:
+        started.set()
+        release.wait(5)
+
+    try:
+        assert not worker.busy()
+        running = asyncio.ensure_future(worker.run(job))
+        assert await asyncio.to_thread(started.wait, 5)
+        assert worker.busy()
+        release.set()
+        await running
+        assert not worker.busy()
+    finally:
+        worker.close()
+

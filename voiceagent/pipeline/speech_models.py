@@ -11,11 +11,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from pipecat.audio.vad.silero import SileroOnnxModel
 
+from audio.asr import SAMPLE_RATE, StreamingTranscriber
+from audio.synth import synthesize
 from llm_engine.threads import Load
 from voiceagent.config import Config
 from voiceagent.pipeline.speech_worker import SpeechWorker
@@ -97,9 +100,32 @@ def decoding_load(cfg: Config, voice) -> Load:
                 lambda: _synthesising(voice))
 
 
+def recognition_load(cfg: Config, speech: SpeechModels) -> Load:
+    """Whisper transcribing a caller's sentence over and over, as at a caller's pause while the
+    reply is prepared: the engine's thread count beside it (`EngineWorker.share_cores`)."""
+    audio = synthesize(speech.voice, LOAD_PHRASE, SAMPLE_RATE)
+
+    def transcribe() -> None:
+        transcriber = StreamingTranscriber(speech.whisper, cfg.asr)
+        transcriber.feed(audio)
+        transcriber.interim(settle=True)
+
+    threads = speech.asr_threads or "default"
+    return Load(f"ASR {cfg.asr.model} on {threads} threads, transcribing",
+                lambda: _looping(transcribe, "ASR", rest=False))
+
+
+def _synthesising(voice) -> AbstractContextManager:
+    def synthesise() -> None:
+        for _ in voice.synthesize(LOAD_PHRASE):
+            pass
+    return _looping(synthesise, "TTS", rest=True)
+
+
 @contextlib.contextmanager
-def _synthesising(voice) -> Iterator[None]:
-    """Raises what synthesis raised: a choice measured beside no load must not be kept."""
+def _looping(work: Callable[[], None], what: str, rest: bool) -> Iterator[None]:
+    """`work()` over and over on a thread of its own (resting as long as each took when
+    `rest`). Raises what it raised: a choice measured beside no load must not be kept."""
     stop = threading.Event()
     failed: list[BaseException] = []
 
@@ -107,13 +133,13 @@ def _synthesising(voice) -> Iterator[None]:
         try:
             while not stop.is_set():
                 start = time.perf_counter()
-                for _ in voice.synthesize(LOAD_PHRASE):
-                    pass
-                stop.wait(time.perf_counter() - start)
+                work()
+                if rest:
+                    stop.wait(time.perf_counter() - start)
         except Exception as exc:
             failed.append(exc)
 
-    thread = threading.Thread(target=loop, name="tts-load", daemon=True)
+    thread = threading.Thread(target=loop, name=f"{what.lower()}-load", daemon=True)
     thread.start()
     try:
         yield
@@ -121,5 +147,5 @@ def _synthesising(voice) -> Iterator[None]:
         stop.set()
         thread.join()
     if failed:
-        raise RuntimeError(f"the TTS failed while the engine measured its threads beside it: "
-                           f"{failed[0]}") from failed[0]
+        raise RuntimeError(f"the {what} failed while the engine measured its threads beside "
+                           f"it: {failed[0]}") from failed[0]

@@ -29,6 +29,7 @@ class SpeechWorker:
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()  # arrival order within a priority
         self._closed = False
+        self._running = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -41,6 +42,10 @@ class SpeechWorker:
         done = loop.create_future()
         self._jobs.put((priority, next(self._order), fn, args, loop, done))
         return await done
+
+    def busy(self) -> bool:
+        """Whether a job is running now (safe from any thread)."""
+        return self._running
 
     def close(self) -> None:
         """Stop after the job in progress; the jobs still queued fail with RuntimeError."""
@@ -59,10 +64,13 @@ class SpeechWorker:
                 return
             if done.cancelled():  # its caller hung up or moved on: the cores are better spent
                 continue
+            self._running = True
             try:
                 result, error = fn(*args), None
             except BaseException as exc:  # the caller's to handle; the worker serves the next
                 result, error = None, exc
+            finally:
+                self._running = False
             _post(loop, done, result, error)
 
 
