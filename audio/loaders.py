@@ -12,15 +12,13 @@ def load_whisper(model_dir: str | Path, device: str = "auto", compute_type: str 
     core, took a second core from the engine at every transcript (measured on 2 cores: Whisper
     used 1.65 cores on 1 thread, and 1.0 after, in the same time)."""
     from faster_whisper import WhisperModel
-    from threadpoolctl import threadpool_limits
-
-    if cpu_threads:
-        threadpool_limits(cpu_threads, user_api="blas")  # this process's, from now on
 
     if device == "auto":
         import ctranslate2
 
         device = "cuda" if ctranslate2.get_cuda_device_count() > 0 else "cpu"
+    if device == "cpu" and cpu_threads:
+        numpy_blas_threads(cpu_threads)
     if compute_type == "auto":
         compute_type = "float16" if device == "cuda" else "int8"
     return WhisperModel(str(model_dir), device=device, compute_type=compute_type,
@@ -55,3 +53,21 @@ def load_silero(onnx_path: str | Path):
     from silero_vad.utils_vad import OnnxWrapper
 
     return OnnxWrapper(str(onnx_path), force_onnx_cpu=True)
+
+
+def numpy_blas_threads(count: int | None = None) -> list[int]:
+    """Set numpy's own BLAS to `count` threads, for this process from now on (the BLAS of other
+    libraries, torch's among them, is left alone); returns its thread counts before."""
+    import numpy
+    from threadpoolctl import ThreadpoolController
+
+    folder = Path(numpy.__file__).parent.parent  # site-packages: numpy/ and numpy.libs/
+    mine = [lib for lib in ThreadpoolController().lib_controllers
+            if lib.user_api == "blas" and Path(lib.filepath).is_relative_to(folder)
+            and Path(lib.filepath).parts[len(folder.parts)].startswith("numpy")]
+    before = [lib.num_threads for lib in mine]
+    if count is not None:
+        for lib in mine:
+            lib.set_num_threads(count)
+    return before
+

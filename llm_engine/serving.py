@@ -356,6 +356,8 @@ class EngineWorker:
     def call(self, fn: Callable[[SpeculativeEngine], Any]) -> Any:
         """fn(engine) on the worker thread between two rounds of steps, for setup code on a
         thread without an event loop; blocks until it returns, and raises what it raised."""
+        if threading.current_thread() is self._thread:  # queued, it would wait for itself
+            return fn(self.engine)
         job = _CallJob(fn)
         with self._admit:
             if self._closed or self._error is not None:
@@ -438,6 +440,7 @@ class EngineWorker:
                     if isinstance(item, _Job):
                         self._fit_threads()
                         item.run(self.engine)
+                        self._threads = 0  # a job may have set torch's threads itself
                     else:
                         active.append(item)
             except queue.Empty:

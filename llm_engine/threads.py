@@ -80,13 +80,16 @@ def fewest_as_fast(step_ms: dict[int, float]) -> int:
     return min(n for n, ms in step_ms.items() if ms <= best * _TIE)
 
 
-def identical_logits(runner: TargetRunner, counts: list[int], context: int = 64,
-                     rows: int = 4) -> bool:
-    """Whether a prefill, a decode row and a verify of `rows` rows give bit-identical logits on
-    each of `counts` threads: only then may the engine change its thread count between steps
+def identical_logits(runner: TargetRunner, counts: list[int], rows: int = 11, chunk: int = 256,
+                     context: int = 70) -> bool:
+    """Whether every kind of forward the engine runs gives bit-identical logits and hidden states
+    on each of `counts` threads: a prefill chunk of `chunk` tokens after `context` cached ones,
+    decode rows alone, verifies of 2 .. `rows` rows, and one forward shared by two requests.
+    With the runner's row invariance probed on one of the counts, a step's tokens are then the
+    same on any of them, so the engine may change its count between steps
     (`EngineWorker.share_cores`) without a token depending on timing. torch's threads are left
     as they were."""
-    ids = torch.randint(0, vocab_size(runner.model), (1, context + 1 + rows),
+    ids = torch.randint(0, vocab_size(runner.model), (1, context + chunk + rows),
                         generator=torch.Generator().manual_seed(0)).to(runner.device)
     was = torch.get_num_threads()
     seen = []
@@ -94,12 +97,25 @@ def identical_logits(runner: TargetRunner, counts: list[int], context: int = 64,
         with torch.inference_mode():
             for n in counts:
                 torch.set_num_threads(n)
-                cache = runner.new_cache()
-                seen.append([runner.forward(cache, part, last_only=last).logits.clone()
-                             for part, last in ((ids[:, :context], True),
-                                                (ids[:, context:context + 1], False),
-                                                (ids[:, context + 1:], False))])
+                seen.append(_every_shape(runner, ids, rows, chunk, context))
     finally:
         torch.set_num_threads(was)
     return all(torch.equal(a, b) for other in seen[1:] for a, b in zip(seen[0], other,
                                                                        strict=True))
+
+
+def _every_shape(runner: TargetRunner, ids: torch.Tensor, rows: int, chunk: int,
+                 context: int) -> list[torch.Tensor]:
+    cache, other = runner.new_cache(), runner.new_cache()
+    runner.forward(other, ids[:, :context // 2], last_only=True)
+    runner.forward(cache, ids[:, :context], last_only=True)
+    outs = [runner.forward(cache, ids[:, context:context + chunk], last_only=True)]
+    start = context + chunk
+    outs += [runner.forward(cache, ids[:, start + j:start + j + 1]) for j in range(rows)]
+    for width in range(2, rows + 1):
+        runner.crop(cache, start)
+        outs.append(runner.forward(cache, ids[:, start:start + width]))
+    runner.crop(cache, start)
+    outs += runner.forward_many([(cache, ids[:, start:start + 2]),
+                                 (other, ids[:, context // 2:context // 2 + 1])])
+    return [t for out in outs for t in (out.logits, out.hidden) if t is not None]

@@ -187,25 +187,33 @@ def build_runtime(
 def threads_beside(engine_cfg: EngineConfig, runtime: LLMRuntime, cache_dir: str,
                    beside: threads.Load, progress: Callable[[str], None] = print) -> int | None:
     """With `engine.threads: auto` on a CPU: the engine's thread count, of those up to its own
-    (`runtime.threads`), whose step is fastest while `beside` runs (speech recognition),
-    measured once per machine and cached; None when it is the engine's own count, or when its
-    logits differ from those on the engine's own count (a token must not depend on timing).
-    torch's threads are left as they were. Call it on the engine's thread (`EngineWorker.call`);
+    (`runtime.threads`), that `llm_engine.threads` measures best while `beside` runs (speech
+    recognition: the fewest within 5% of the fastest), measured once per machine and cached;
+    None when it is the engine's own count, or where it could change a token: its logits differ
+    from those on the engine's own count, or a drafter whose probabilities a sampled reply
+    draws on (draft, eagle) is loaded, whose own logits are not compared. torch's threads are
+    left as they were. Call it on the engine's thread (`EngineWorker.call`);
     `EngineWorker.share_cores` then steps on it while that work runs."""
     if not runtime.threads or runtime.threads == 1:
+        return None
+    if runtime.draft is not None or runtime.eagle is not None:
+        progress(f"the engine keeps {runtime.threads} threads beside {beside.name}: a drafter "
+                 "is loaded")
         return None
     runner = runtime.engine.runner
     measurements = CostModelCache(Path(cache_dir).expanduser() / "cost")
     counts = [n for n in threads.candidates() if n <= runtime.threads]
     try:
         record = _choose_threads(engine_cfg, runner, runtime.target, measurements, beside,
-                                 progress, counts)
+                                 progress, counts, "engine threads while speech is recognised")
     finally:
         torch.set_num_threads(runtime.threads)
     chosen = record["chosen"] if record else None
     if chosen is None or chosen == runtime.threads:
         return None
-    if not threads.identical_logits(runner, [chosen, runtime.threads]):
+    rows = max(engine_cfg.speculation.max_draft_tokens + 1, getattr(runner, "max_rows", 0))
+    if not threads.identical_logits(runner, [chosen, runtime.threads], rows,
+                                    engine_cfg.prefill_chunk):
         progress(f"the engine keeps {runtime.threads} threads beside {beside.name}: its logits "
                  f"on {chosen} differ")
         return None
@@ -214,8 +222,8 @@ def threads_beside(engine_cfg: EngineConfig, runtime: LLMRuntime, cache_dir: str
 
 def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: LoadedModel,
                     measurements: CostModelCache, beside: threads.Load | None,
-                    progress: Callable[[str], None], counts: list[int] | None = None
-                    ) -> dict | None:
+                    progress: Callable[[str], None], counts: list[int] | None = None,
+                    label: str = "engine.threads auto") -> dict | None:
     """With `engine.threads: auto` on a CPU of several cores: the count of `counts` (1, 2, 4,
     ... up to the cores when None) that `llm_engine.threads` measures fastest beside `beside`,
     measured once per machine, model, format and load, and cached. Sets torch's threads to it;
@@ -239,7 +247,7 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
     torch.set_num_threads(record["chosen"])
     steps = ", ".join(f"{n} thread{'s' * (n != '1')} {ms:.1f} ms"
                       for n, ms in record["step_ms"].items())
-    progress(f"engine.threads auto: {record['chosen']} (a step beside {key['beside']}: {steps}; "
+    progress(f"{label}: {record['chosen']} (a step beside {key['beside']}: {steps}; "
              f"measured {record['measured_at']})")
     return record
 

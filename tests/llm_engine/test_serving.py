@@ -463,6 +463,7 @@ async def test_a_worker_sharing_the_cores_steps_on_fewer_threads_while_the_other
 
 def test_a_call_runs_on_the_worker_thread_and_raises_what_it_raised(serving):
     assert serving.call(lambda engine: threading.current_thread().name) == "llm-engine"
+    assert serving.call(lambda engine: serving.call(lambda again: 7)) == 7  # no self-deadlock
     with pytest.raises(ZeroDivisionError):
         serving.call(lambda engine: 1 / 0)
     assert serving.worker_alive

@@ -74,7 +74,7 @@ def test_logits_that_differ_with_the_thread_count_are_found(target, torch_thread
 
     torch.set_num_threads(2)
     runner.forward = on_one_thread
-    assert threads.identical_logits(runner, [1, 2], context=16)
+    assert threads.identical_logits(runner, [1, 2], rows=4, chunk=16, context=16)
     runner.forward = thread_dependent
-    assert not threads.identical_logits(runner, [1, 2], context=16)
+    assert not threads.identical_logits(runner, [1, 2], rows=4, chunk=16, context=16)
     assert torch.get_num_threads() == 2  # left as it was

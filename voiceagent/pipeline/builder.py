@@ -96,7 +96,8 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     """Load the TTS voice, then the LLM (with the drafts of the methods in `also`, for a
     benchmark) on its engine thread, so the first call pays for no load, then the other speech
     models; the engine measures its threads beside the speech synthesis (`engine.threads:
-    auto`), and Whisper runs on the cores it leaves (`asr.cpu_threads: auto`). A remote LLM is
+    auto`), Whisper runs on the cores it leaves (`asr.cpu_threads: auto`), and the engine then
+    measures the threads it steps on while Whisper transcribes. A remote LLM is
     checked (it answers, it serves the model) instead of loaded. The configured tools are
     imported first: a bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)
@@ -137,13 +138,18 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
 
 def _share_cores(cfg: Config, worker: EngineWorker, llm: LLMRuntime, speech: SpeechModels,
                  progress: Callable[[str], None]) -> None:
-    """While Whisper transcribes, the engine steps on the thread count measured fastest beside
-    it (`threads_beside`). On 2 cores, a 2-thread step took 134-160 ms beside Whisper against
+    """While Whisper transcribes, the engine steps on the thread count measured best beside it
+    (`threads_beside`). On 2 cores, a 2-thread step took 134-160 ms beside Whisper against
     17-19 alone, and a 1-thread step 34-35 ms against 21-24 (Zen 4): Whisper runs at every
-    pause, just as the prepared reply decodes its first phrase."""
+    pause, just as the prepared reply decodes its first phrase. A measurement that fails costs
+    the calls this speed-up, not the start."""
     load = recognition_load(cfg, speech)
-    beside = worker.call(
-        lambda _: threads_beside(cfg.engine, llm, cfg.paths.cache_dir, load, progress))
+    try:
+        beside = worker.call(
+            lambda _: threads_beside(cfg.engine, llm, cfg.paths.cache_dir, load, progress))
+    except Exception as exc:
+        logger.warning(f"the engine keeps its threads while Whisper transcribes: {exc}")
+        return
     if beside is not None:
         worker.share_cores(speech.asr_worker.busy, beside, llm.threads)
         progress(f"the engine steps on {beside} thread(s) while Whisper transcribes, and on "

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from pipecat.audio.vad.silero import SileroOnnxModel
 
 from audio.asr import SAMPLE_RATE, StreamingTranscriber
@@ -27,7 +28,8 @@ from voiceagent.pipeline.tts import load_tts_voice
 from voiceagent.pipeline.turns import load_smart_turn_session
 from voiceagent.pipeline.vad import load_vad_model
 
-# What the TTS synthesises while the engine measures its threads beside it: a reply's phrase.
+# What the TTS synthesises while the engine measures its threads beside it (a reply's phrase),
+# and what Whisper transcribes while it measures them beside speech recognition.
 LOAD_PHRASE = "Your order shipped on Monday, and it should arrive by Thursday afternoon."
 SETTINGS = ("asr.model", "asr.device", "asr.compute_type", "asr.cpu_threads", "tts.voice",
             "tts.use_cuda", "tts.cpu_threads", "vad.model")
@@ -103,15 +105,18 @@ def decoding_load(cfg: Config, voice) -> Load:
 def recognition_load(cfg: Config, speech: SpeechModels) -> Load:
     """Whisper transcribing a caller's sentence over and over, as at a caller's pause while the
     reply is prepared: the engine's thread count beside it (`EngineWorker.share_cores`)."""
-    audio = synthesize(speech.voice, LOAD_PHRASE, SAMPLE_RATE)
+    audio: list[np.ndarray] = []  # synthesised when first measured beside, not at every start
 
     def transcribe() -> None:
+        if not audio:
+            audio.append(synthesize(speech.voice, LOAD_PHRASE, SAMPLE_RATE))
         transcriber = StreamingTranscriber(speech.whisper, cfg.asr)
-        transcriber.feed(audio)
+        transcriber.feed(audio[0])
         transcriber.interim(settle=True)
 
-    threads = speech.asr_threads or "default"
-    return Load(f"ASR {cfg.asr.model} on {threads} threads, transcribing",
+    asr = cfg.asr
+    return Load(f"ASR {asr.model} ({asr.device}, {asr.compute_type}, {asr.window} window) on "
+                f"{speech.asr_threads or 'default'} threads, transcribing",
                 lambda: _looping(transcribe, "ASR", rest=False))
 
 
