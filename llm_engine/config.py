@@ -135,7 +135,8 @@ class EngineConfig:
     # serves again after a backoff, up to this many times in 10 minutes; then it stays down.
     worker_restarts: int = 3
     # CPU threads of the engine's forward. auto: measured at load, beside the work the caller
-    # says shares the cores (`llm_engine.threads`); 0 keeps torch's default; n: n threads.
+    # says shares the cores (`llm_engine.threads`), and a caller may ask for another count while
+    # other work runs (`EngineWorker.share_cores`); 0 keeps torch's default; n: n threads.
     threads: Literal["auto"] | int = "auto"
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
