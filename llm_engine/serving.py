@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -115,6 +116,22 @@ class DeltaStream:
         except asyncio.CancelledError:
             self.cancel()
             raise
+
+
+def _superseded(active: Collection[RequestHandle]) -> list[RequestHandle]:
+    """One-token prefills not begun whose prompt a later request of their session starts with
+    (the caller's words prefilled at the interim that also starts the prepared reply): that
+    request prefills the same tokens in its own forward, so theirs would only delay it."""
+    out = []
+    for i, handle in enumerate(active):
+        st = handle.state
+        if st.session_id is None or st.cache is not None or _is_reply(st):
+            continue
+        prompt, n = st.prompt_ids, len(st.prompt_ids)
+        if any(later.state.session_id == st.session_id and later.state.prompt_ids[:n] == prompt
+               for later in itertools.islice(active, i + 1, None)):
+            out.append(handle)
+    return out
 
 
 def _this_round(going: list[RequestHandle]) -> list[RequestHandle]:
@@ -449,6 +466,8 @@ class EngineWorker:
             # shares forwards; they stay in `active` while they step: a crash still fails them.
             # Cancelled requests end first, so that their KV is back in their session's cache
             # before a newer request of the same session prefills.
+            for handle in _superseded(active):
+                handle.state.cancel()
             cancelled = [handle for handle in active if handle.state.cancelled]
             going = _this_round([handle for handle in active if handle not in cancelled])
             held, until = self._held(going)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine import kv
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.serving import EngineWorker
 from tests.llm_engine.tiny_models import break_forward, break_forward_once, make_model
@@ -169,19 +170,22 @@ async def test_a_discarded_request_leaves_its_prefix_kv_to_the_next_one(serving,
 
 async def test_a_request_behind_its_sessions_one_token_prefill_waits_for_that_kv(serving,
                                                                                 tokenizer):
-    # A call prefills its system prompt (one token) as it starts, and its first turn's request
-    # can reach the worker in the same round: it takes the session's KV when that prefill ends
-    # in the round, rather than prefilling the whole prompt beside it.
+    # A call prefills the conversation so far (one token), and its next request can reach the
+    # worker in the same round: it takes the session's KV when that prefill ends in the round,
+    # rather than prefilling the whole prompt beside it. (A request that extends the prefill's
+    # prompt skips it instead: this one has other words at the end.)
     busy = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=20),
                           session_id="other")
     async for _ in busy:
         break  # the worker is stepping: the next two wait in its inbox together
     system = _prompt(tokenizer, "System: be brief and kind.")
-    warm = serving.submit(system, SamplingConfig(max_new_tokens=1), session_id="call")
-    turn = serving.submit(system + _prompt(tokenizer, " User: hello"), session_id="call")
+    warm = serving.submit(system + _prompt(tokenizer, " User: hel"),
+                          SamplingConfig(max_new_tokens=1), session_id="call")
+    turn = serving.submit(system + _prompt(tokenizer, " Bot: hello"), session_id="call")
     assert len((await warm.result()).token_ids) == 1
     stats = (await turn.result()).stats
-    assert stats.reused_prefix_tokens == len(system)
+    shared = kv.common_prefix_len(warm.state.prompt_ids, turn.state.prompt_ids)
+    assert shared >= len(system) and stats.reused_prefix_tokens == shared
     await busy.result()
 
 
@@ -363,9 +367,7 @@ def test_a_score_that_goes_on_from_the_last_runs_only_its_new_tokens(target, tok
 
 async def test_a_one_token_prefill_is_in_flight_but_not_a_reply(target, tokenizer):
     with _plain_worker(target, tokenizer, 16) as serving:
-        gate = threading.Event()  # no step runs until the counts are read
-        step_many = serving.engine.step_many
-        serving.engine.step_many = lambda states: (gate.wait(30), step_many(states))[1]
+        gate = _gated(serving)  # no step runs until the counts are read
         prefill = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=1))
         reply = serving.submit(_prompt(tokenizer, "Hello, how can I help you today?"))
         assert (serving.in_flight, serving.replies_in_flight) == (2, 1)
@@ -467,4 +469,41 @@ def test_a_call_runs_on_the_worker_thread_and_raises_what_it_raised(serving):
     with pytest.raises(ZeroDivisionError):
         serving.call(lambda engine: 1 / 0)
     assert serving.worker_alive
+
+
+def _gated(serving) -> threading.Event:
+    """No step of `serving` runs until the returned event is set."""
+    gate = threading.Event()
+    step_many = serving.engine.step_many
+    serving.engine.step_many = lambda states: (gate.wait(30), step_many(states))[1]
+    return gate
+
+
+@pytest.mark.parametrize("extends", [True, False])
+async def test_a_one_token_prefill_that_a_queued_reply_extends_is_skipped(
+        target, tokenizer, extends):
+    skipped = extends
+    with _plain_worker(target, tokenizer, 8) as serving:
+        gate = _gated(serving)
+        words = _prompt(tokenizer, "Hello, how can I")
+        prefill = serving.submit(words, SamplingConfig(max_new_tokens=1), session_id="call")
+        rest = _prompt(tokenizer, " help you today?")
+        reply = serving.submit(words + rest if extends else rest + words, session_id="call")
+        gate.set()
+        done, answered = await prefill.result(), await reply.result()
+    assert (done.finish_reason == "cancelled") == skipped
+    assert (done.stats.prefill_tokens == 0) == skipped
+    assert answered.finish_reason in ("eos", "length")
+    assert answered.stats.prefill_tokens == len(reply.state.prompt_ids)
+
+
+async def test_a_one_token_prefill_of_another_session_is_not_skipped(target, tokenizer):
+    with _plain_worker(target, tokenizer, 8) as serving:
+        gate = _gated(serving)
+        prefill = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=1),
+                                 session_id="one")
+        reply = serving.submit(_prompt(tokenizer, "Hello there"), session_id="two")
+        gate.set()
+        assert (await prefill.result()).finish_reason == "length"
+        await reply.result()
 
