@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine import kv
+from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.serving import EngineWorker
 from tests.llm_engine.tiny_models import break_forward, break_forward_once, make_model
