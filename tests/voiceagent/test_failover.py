@@ -9,6 +9,8 @@ import time
 import pytest
 
 from llm_engine.config import SamplingConfig
+from llm_engine.serving import Completion, DeltaStream
+from llm_engine.stats import RequestStats
 from tests.voiceagent.server_proc import free_port
 from tests.voiceagent.serving import server_config, serving
 from tests.voiceagent.tiny_shared import tiny_shared
@@ -126,3 +128,27 @@ async def test_a_call_whose_primary_hangs_is_answered_by_the_fallback(tmp_path, 
     [record] = next(iter(records.values()))
     assert record.bot_text and record.engine.method == models.chat.name
     assert failover.failovers >= 1
+
+
+class _ToolCallingPrimary:
+    """A primary whose answer streams no text, as a tool call does."""
+
+    name = model = "tools"
+
+    def submit(self, *request) -> DeltaStream:
+        handle = DeltaStream(asyncio.get_running_loop())
+        handle._queue.put_nowait(handle.END)
+        handle._completion.set_result(Completion("", [], "eos", RequestStats(method="tools")))
+        return handle
+
+    def drop_session(self, session_id: str) -> None:
+        pass
+
+
+async def test_a_primary_that_serves_a_tool_call_is_no_longer_degraded(fallback):
+    chat = FailoverChat(_ToolCallingPrimary(), fallback, first_token_timeout_s=5)
+    chat.primary_error = "no first token in 2 s"  # an earlier request failed over
+    completion = await asyncio.wait_for(chat.submit(HELLO, SAMPLING, "call-1", None).result(), 5)
+    assert completion.stats.method == "tools" and chat.failovers == 0
+    assert chat.last_error is None
+

@@ -106,6 +106,7 @@ class FailoverHandle(DeltaStream):
             except StopAsyncIteration:
                 completion = await primary.result()
                 if completion.finish_reason != "error":
+                    self._chat.primary_error = None  # it serves again
                     return completion  # e.g. a tool call, which streams no text
                 self.failover = completion.error or "the primary failed"
             else:
