@@ -479,12 +479,22 @@ def _gated(serving) -> threading.Event:
     return gate
 
 
+def _paused(serving) -> threading.Event:
+    """`serving` admits nothing until the returned event is set: what is submitted meanwhile
+    reaches it at once."""
+    gate, started = threading.Event(), threading.Event()
+    threading.Thread(target=serving.call,
+                     args=(lambda engine: (started.set(), gate.wait(30)),), daemon=True).start()
+    assert started.wait(30)
+    return gate
+
+
 @pytest.mark.parametrize("extends", [True, False])
 async def test_a_one_token_prefill_that_a_queued_reply_extends_is_skipped(
         target, tokenizer, extends):
     skipped = extends
     with _plain_worker(target, tokenizer, 8) as serving:
-        gate = _gated(serving)
+        gate = _paused(serving)
         words = _prompt(tokenizer, "Hello, how can I")
         prefill = serving.submit(words, SamplingConfig(max_new_tokens=1), session_id="call")
         rest = _prompt(tokenizer, " help you today?")
@@ -499,7 +509,7 @@ async def test_a_one_token_prefill_that_a_queued_reply_extends_is_skipped(
 
 async def test_a_one_token_prefill_of_another_session_is_not_skipped(target, tokenizer):
     with _plain_worker(target, tokenizer, 8) as serving:
-        gate = _gated(serving)
+        gate = _paused(serving)
         prefill = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=1),
                                  session_id="one")
         reply = serving.submit(_prompt(tokenizer, "Hello there"), session_id="two")
