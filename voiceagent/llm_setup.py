@@ -212,8 +212,8 @@ def threads_beside(engine_cfg: EngineConfig, runtime: LLMRuntime, cache_dir: str
     if chosen is None or chosen == runtime.threads:
         return None
     rows = max(engine_cfg.speculation.max_draft_tokens + 1, getattr(runner, "max_rows", 0))
-    if not threads.identical_logits(runner, [chosen, runtime.threads], rows,
-                                    engine_cfg.prefill_chunk):
+    if not _identical_logits(runner, runtime.target, [chosen, runtime.threads], rows,
+                             engine_cfg.prefill_chunk, measurements):
         progress(f"the engine keeps {runtime.threads} threads beside {beside.name}: its logits "
                  f"on {chosen} differ")
         return None
@@ -231,11 +231,8 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
     counts = counts or threads.candidates()
     if engine_cfg.threads != "auto" or runner.device.type != "cpu" or len(counts) == 1:
         return None
-    machine = {k: v for k, v in cost_model.machine_key(runner.device).items() if k != "threads"}
-    key = {**machine, "part": "threads", "target": cost_model.model_key(target.model),
-           "format": runner.format, "runner": runner.name, "counts": counts,
-           "beside": beside.name if beside else "nothing",
-           "lean": lean_llama.REVISION if isinstance(runner, LeanRunner) else None}
+    key = {**_runner_key(runner, target), "part": "threads", "counts": counts,
+           "beside": beside.name if beside else "nothing"}
     record = measurements.load_record(key)
     if record is None:
         progress(f"measuring the engine's step on {', '.join(map(str, counts))} threads beside "
@@ -250,6 +247,28 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
     progress(f"{label}: {record['chosen']} (a step beside {key['beside']}: {steps}; "
              f"measured {record['measured_at']})")
     return record
+
+
+def _runner_key(runner: TargetRunner, target: LoadedModel) -> dict:
+    """What a measurement of `runner`'s forward on this machine depends on, its threads aside."""
+    machine = {k: v for k, v in cost_model.machine_key(runner.device).items() if k != "threads"}
+    return {**machine, "target": cost_model.model_key(target.model), "format": runner.format,
+            "runner": runner.name,
+            "lean": lean_llama.REVISION if isinstance(runner, LeanRunner) else None}
+
+
+def _identical_logits(runner: TargetRunner, target: LoadedModel, counts: list[int], rows: int,
+                      chunk: int, measurements: CostModelCache) -> bool:
+    """`threads.identical_logits`, checked once per machine, model, format and counts, and
+    cached (a few seconds at every start otherwise)."""
+    key = {**_runner_key(runner, target), "part": "thread-invariance", "counts": sorted(counts),
+           "rows": rows, "chunk": chunk}
+    record = measurements.load_record(key)
+    if record is None:
+        record = {"identical": threads.identical_logits(runner, counts, rows, chunk),
+                  "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
+        measurements.save_record(key, record)
+    return record["identical"]
 
 
 # Held-out conversations the formats are compared on at load: ~1,000 tokens, a second or two.
