@@ -119,16 +119,18 @@ class DeltaStream:
 
 
 def _superseded(active: Collection[RequestHandle]) -> list[RequestHandle]:
-    """One-token prefills not begun whose prompt a later request of their session starts with
-    (the caller's words prefilled at the interim that also starts the prepared reply): that
-    request prefills the same tokens in its own forward, so theirs would only delay it."""
+    """Prefills (`submit(prefill=True)`) not begun whose prompt a later live request of their
+    session starts with (the caller's words prefilled at the interim that also starts the
+    prepared reply): that request prefills the same tokens in its own forward, so theirs would
+    only delay it."""
     out = []
     for i, handle in enumerate(active):
         st = handle.state
-        if st.session_id is None or st.cache is not None or _is_reply(st):
+        if not handle.prefill or st.session_id is None or st.cache is not None:
             continue
         prompt, n = st.prompt_ids, len(st.prompt_ids)
-        if any(later.state.session_id == st.session_id and later.state.prompt_ids[:n] == prompt
+        if any(later.state.session_id == st.session_id and not later.state.cancelled
+               and later.state.prompt_ids[:n] == prompt
                for later in itertools.islice(active, i + 1, None)):
             out.append(handle)
     return out
@@ -167,6 +169,7 @@ class RequestHandle(DeltaStream):
         tools = grammar is not None and grammar.kind == "tools"
         self._calls = ToolCallSplitter() if tools else None
         self.number = 0  # its place in the worker's submissions (`EngineWorker.hold_session`)
+        self.prefill = False  # it only leaves its prompt in the session's cache (`submit`)
 
     def cancel(self) -> None:
         """Stop at the next step boundary. Safe from any thread, idempotent."""
@@ -338,8 +341,11 @@ class EngineWorker:
         sampling: SamplingConfig | None = None,
         session_id: str | None = None,
         method: str | None = None,
+        prefill: bool = False,
     ) -> RequestHandle:
-        """Queue a request; call from the event loop. Raises ValueError for a bad prompt, and
+        """Queue a request; call from the event loop. `prefill`: it only leaves its prompt in
+        the session's cache (one token), and a later request of the session that extends its
+        prompt may take its place before it begins. Raises ValueError for a bad prompt, and
         RuntimeError once the engine is closed or its worker has died."""
         with self._admit:
             if self._closed or self._error is not None:
@@ -348,6 +354,7 @@ class EngineWorker:
             handle = RequestHandle(state, asyncio.get_running_loop(), self.engine.tokenizer)
             self._submitted += 1
             handle.number = self._submitted
+            handle.prefill = prefill
             self._inbox.put(handle)
             self.in_flight += 1
             self.replies_in_flight += _is_reply(state)

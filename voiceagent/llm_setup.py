@@ -259,10 +259,14 @@ def _runner_key(runner: TargetRunner, target: LoadedModel) -> dict:
 
 def _identical_logits(runner: TargetRunner, target: LoadedModel, counts: list[int], rows: int,
                       chunk: int, measurements: CostModelCache) -> bool:
-    """`threads.identical_logits`, checked once per machine, model, format and counts, and
-    cached (a few seconds at every start otherwise)."""
-    key = {**_runner_key(runner, target), "part": "thread-invariance", "counts": sorted(counts),
-           "rows": rows, "chunk": chunk}
+    """`threads.identical_logits`, checked once per machine, model file, format, runner set-up
+    and counts, and cached (a few seconds at every start otherwise)."""
+    lean = isinstance(runner, LeanRunner)
+    key = {**_runner_key(runner, target), "part": "thread-invariance", "check": 1,
+           "file": target.file_sha256, "counts": sorted(counts), "rows": rows, "chunk": chunk,
+           "attention": str(runner.lean.attention_dtype) if lean else None,
+           "probed": runner.probe_result if lean else None,
+           "max_context": getattr(runner, "max_cache_len", None)}
     record = measurements.load_record(key)
     if record is None:
         record = {"identical": threads.identical_logits(runner, counts, rows, chunk),

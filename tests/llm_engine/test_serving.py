@@ -489,14 +489,18 @@ def _paused(serving) -> threading.Event:
     return gate
 
 
-@pytest.mark.parametrize("extends", [True, False])
-async def test_a_one_token_prefill_that_a_queued_reply_extends_is_skipped(
-        target, tokenizer, extends):
-    skipped = extends
+@pytest.mark.parametrize("extends, marked, skipped", [
+    (True, True, True),
+    (False, True, False),  # the reply does not start with the prefill's words
+    (True, False, False),  # a one-token request of its own (an API client's), not a prefill
+])
+async def test_a_prefill_that_a_queued_reply_extends_is_skipped(
+        target, tokenizer, extends, marked, skipped):
     with _plain_worker(target, tokenizer, 8) as serving:
         gate = _paused(serving)
         words = _prompt(tokenizer, "Hello, how can I")
-        prefill = serving.submit(words, SamplingConfig(max_new_tokens=1), session_id="call")
+        prefill = serving.submit(words, SamplingConfig(max_new_tokens=1), session_id="call",
+                                 prefill=marked)
         rest = _prompt(tokenizer, " help you today?")
         reply = serving.submit(words + rest if extends else rest + words, session_id="call")
         gate.set()
@@ -504,16 +508,30 @@ async def test_a_one_token_prefill_that_a_queued_reply_extends_is_skipped(
     assert (done.finish_reason == "cancelled") == skipped
     assert (done.stats.prefill_tokens == 0) == skipped
     assert answered.finish_reason in ("eos", "length")
-    assert answered.stats.prefill_tokens == len(reply.state.prompt_ids)
+    reused = len(words) if extends and not skipped else 0  # the prefill's KV, when it ran
+    assert answered.stats.prefill_tokens == len(reply.state.prompt_ids) - reused
 
 
-async def test_a_one_token_prefill_of_another_session_is_not_skipped(target, tokenizer):
+async def test_a_prefill_of_another_session_is_not_skipped(target, tokenizer):
     with _plain_worker(target, tokenizer, 8) as serving:
         gate = _paused(serving)
         prefill = serving.submit(_prompt(tokenizer, "Hello"), SamplingConfig(max_new_tokens=1),
-                                 session_id="one")
+                                 session_id="one", prefill=True)
         reply = serving.submit(_prompt(tokenizer, "Hello there"), session_id="two")
         gate.set()
         assert (await prefill.result()).finish_reason == "length"
         await reply.result()
+
+
+async def test_a_prefill_is_not_skipped_for_a_reply_already_cancelled(target, tokenizer):
+    with _plain_worker(target, tokenizer, 8) as serving:
+        gate = _paused(serving)
+        words = _prompt(tokenizer, "Hello, how can I")
+        prefill = serving.submit(words, SamplingConfig(max_new_tokens=1), session_id="call",
+                                 prefill=True)
+        reply = serving.submit(words + _prompt(tokenizer, " help?"), session_id="call")
+        reply.cancel()  # the caller went on: its KV must still get the words
+        gate.set()
+        assert (await prefill.result()).finish_reason == "length"
+        assert (await reply.result()).finish_reason == "cancelled"
 

@@ -131,24 +131,31 @@ async def test_a_call_whose_primary_hangs_is_answered_by_the_fallback(tmp_path, 
 
 
 class _ToolCallingPrimary:
-    """A primary whose answer streams no text, as a tool call does."""
+    """A primary whose answer streams no text, as a tool call does (or a request cancelled
+    before its first token)."""
 
     name = model = "tools"
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
     def submit(self, *request) -> DeltaStream:
         handle = DeltaStream(asyncio.get_running_loop())
         handle._queue.put_nowait(handle.END)
-        handle._completion.set_result(Completion("", [], "eos", RequestStats(method="tools")))
+        handle._completion.set_result(Completion("", [], self.reason,
+                                                 RequestStats(method="tools")))
         return handle
 
     def drop_session(self, session_id: str) -> None:
         pass
 
 
-async def test_a_primary_that_serves_a_tool_call_is_no_longer_degraded(fallback):
-    chat = FailoverChat(_ToolCallingPrimary(), fallback, first_token_timeout_s=5)
+@pytest.mark.parametrize("reason, degraded", [("eos", False), ("cancelled", True)])
+async def test_a_primary_that_serves_a_tool_call_is_no_longer_degraded(fallback, reason,
+                                                                        degraded):
+    chat = FailoverChat(_ToolCallingPrimary(reason), fallback, first_token_timeout_s=5)
     chat.primary_error = "no first token in 2 s"  # an earlier request failed over
     completion = await asyncio.wait_for(chat.submit(HELLO, SAMPLING, "call-1", None).result(), 5)
     assert completion.stats.method == "tools" and chat.failovers == 0
-    assert chat.last_error is None
+    assert (chat.last_error is not None) == degraded  # a cancel proves nothing either way
 

@@ -73,8 +73,11 @@ class ChatBackend(Protocol):
     name: str  # the default method label of its requests (engine: its speculation method)
 
     def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
-               session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
-        """Start a request; raises ValueError for a prompt the backend refuses."""
+               session_id: str, method: str | None, tools: ToolUse | None = None,
+               prefill: bool = False) -> ChatHandle:
+        """Start a request; raises ValueError for a prompt the backend refuses. `prefill`: a
+        one-token request that only leaves `messages` in the session's cache, which a later
+        request of the session may take the place of."""
 
     def drop_session(self, session_id: str) -> None:
         """The call is over: forget its prefix cache."""
@@ -96,7 +99,8 @@ class EngineChat:
         return self.worker.engine.config.speculation.method
 
     def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
-               session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
+               session_id: str, method: str | None, tools: ToolUse | None = None,
+               prefill: bool = False) -> ChatHandle:
         prompt = encode_chat(self.tokenizer, messages, tools.tools if tools else None)
         if tools is not None and (sampling is None or sampling.max_new_tokens > 1):
             sampling = replace(sampling or self.worker.engine.config.sampling,
@@ -106,7 +110,7 @@ class EngineChat:
         forced = tools.required if tools is not None else sampling and sampling.grammar
         if forced:
             method = grammar_method(method or self.name)
-        return self.worker.submit(prompt, sampling, session_id, method)
+        return self.worker.submit(prompt, sampling, session_id, method, prefill)
 
     def drop_session(self, session_id: str) -> None:
         self.worker.engine.drop_session(session_id)

@@ -55,8 +55,9 @@ class FailoverChat:
         return self.primary_error or getattr(self.primary, "last_error", None)
 
     def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
-               session_id: str, method: str | None, tools: ToolUse | None = None) -> ChatHandle:
-        return FailoverHandle(self, (messages, sampling, session_id, method, tools))
+               session_id: str, method: str | None, tools: ToolUse | None = None,
+               prefill: bool = False) -> ChatHandle:
+        return FailoverHandle(self, (messages, sampling, session_id, method, tools, prefill))
 
     def drop_session(self, session_id: str) -> None:
         self.primary.drop_session(session_id)
@@ -105,8 +106,9 @@ class FailoverHandle(DeltaStream):
                 self.failover = f"no first token in {self._chat.first_token_timeout_s:g} s"
             except StopAsyncIteration:
                 completion = await primary.result()
-                if completion.finish_reason != "error":
+                if completion.finish_reason not in ("error", "cancelled"):
                     self._chat.primary_error = None  # it serves again
+                if completion.finish_reason != "error":
                     return completion  # e.g. a tool call, which streams no text
                 self.failover = completion.error or "the primary failed"
             else:

@@ -378,7 +378,7 @@ class ChatLLMService(LLMService):
         one = SamplingConfig(max_new_tokens=1)
         try:
             handle = self._chat.submit(messages, one, self._session_id, self._method,
-                                       self._tools.for_messages(messages))
+                                       self._tools.for_messages(messages), prefill=True)
         except ValueError as exc:  # over max_context: the real turn reports it
             logger.warning(f"{self}: prefill refused: {exc}")
             return

@@ -168,8 +168,10 @@ class RemoteChat:
         return counters
 
     def submit(self, messages: list[dict[str, Any]], sampling: SamplingConfig | None,
-               session_id: str, method: str | None, tools: ToolUse | None = None) -> RemoteHandle:
-        # `method` picks a local proposer; the remote server's speculation is its own.
+               session_id: str, method: str | None, tools: ToolUse | None = None,
+               prefill: bool = False) -> RemoteHandle:
+        # `method` picks a local proposer; the remote server's speculation is its own, and so is
+        # its prefix cache (`prefill` sends the request all the same).
         if not messages:
             raise ValueError("empty prompt")
         return RemoteHandle(self, messages, sampling or self.sampling, session_id, tools)
