@@ -9,10 +9,11 @@ GGUF files are de-quantised by transformers' GGUF loader, which is slow (about 3
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.utils.logging import tqdm as hf_tqdm
 
 from llm_engine.errors import ModelLoadError
+from llm_engine.file_hash import file_sha256
 from llm_engine.hub import HubUnavailable, hub_location
 
 log = logging.getLogger(__name__)
@@ -77,28 +79,10 @@ def model_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def file_sha256(path: Path, cache_dir: Path | None = None) -> str:
-    """sha256 of a file, memoised by (path, size, mtime) so multi-GB files hash once."""
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    index = cache_dir / "sha256-index.json" if cache_dir else None
-    known = json.loads(index.read_text()) if index and index.exists() else {}
-    if key in known:
-        return known[key]
-    h = hashlib.sha256()
-    # A bar (on a terminal, after 2 s) with transformers' loading bars: off where they are off.
-    bar = hf_tqdm(total=st.st_size, unit="B", unit_scale=True, desc=f"sha256 {path.name}",
-                  leave=False, delay=2, disable=None)
-    with path.open("rb") as f, bar:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-            bar.update(len(block))
-    digest = h.hexdigest()
-    if index:
-        index.parent.mkdir(parents=True, exist_ok=True)
-        known[key] = digest
-        index.write_text(json.dumps(known, indent=1))
-    return digest
+def _sha256_bar(path: Path):
+    """A bar (on a terminal, after 2 s) with transformers' loading bars: off where they are off."""
+    return lambda total: hf_tqdm(total=total, unit="B", unit_scale=True, desc=f"sha256 {path.name}",
+                                 leave=False, delay=2, disable=None)
 
 
 def _is_pathlike(source: str) -> bool:
@@ -153,7 +137,7 @@ def load_causal_lm(
     placement = {"device_map": str(dev)} if dev.type == "cuda" else {}
     try:
         if gguf is not None:
-            sha = file_sha256(folder / gguf, cache)
+            sha = file_sha256(folder / gguf, cache, _sha256_bar(folder / gguf))
             load_dir, from_cache = _dequantised_folder(folder, gguf, sha, cache, progress)
             tokenizer = AutoTokenizer.from_pretrained(load_dir)
             model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch_dtype, **placement)
@@ -191,8 +175,8 @@ def servable_folder(source: str, cache_dir: str | Path, progress=print) -> str:
     if gguf is None:
         return str(folder or source)
     cache = Path(cache_dir).expanduser()
-    return str(_dequantised_folder(folder, gguf, file_sha256(folder / gguf, cache), cache,
-                                   progress)[0])
+    sha = file_sha256(folder / gguf, cache, _sha256_bar(folder / gguf))
+    return str(_dequantised_folder(folder, gguf, sha, cache, progress)[0])
 
 
 def _dequantised_folder(
@@ -213,11 +197,22 @@ def _dequantised_folder(
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    (partial / "SOURCE.json").write_text(json.dumps({"gguf": str(folder / gguf), "sha256": sha}))
-    partial.rename(target)  # atomic: an interrupted run never leaves a half-written cache
+    # A folder of this process's own: several processes may de-quantise the same file at once
+    # (test workers, a rolling restart on a fresh machine); the first rename wins.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.", suffix=".partial"))
+    try:
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        (partial / "SOURCE.json").write_text(json.dumps({"gguf": str(folder / gguf),
+                                                         "sha256": sha}))
+        partial.rename(target)  # atomic: an interrupted run never leaves a half-written cache
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        progress(f"another process de-quantised {gguf} first; using {target}")
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return target, False
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from llm_engine import file_hash
 from voiceagent import models
 from voiceagent.config import CONFIGS_DIR, DEFAULT_CONFIG, REPO_ROOT, config_path, load_config
 from voiceagent.models import EMBEDDED, ModelIntegrityError, ModelNotFound, resolve
@@ -233,7 +234,7 @@ def test_the_remembered_hash_is_keyed_by_path_size_and_mtime(tmp_path):
     index = cache / "sha256-index.json"
     key = next(iter(json.loads(index.read_text())))
     index.write_text(json.dumps({key: "remembered"}))
-    models._known.clear()
+    file_hash._known.clear()
     assert models.file_sha256(f, cache) == "remembered"  # read from the index, not the file
     f.write_bytes(b"b" * 1000)
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000))

@@ -14,16 +14,13 @@ llm_engine.loading keeps for GGUF files), so only a new or changed file is read 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.metadata
 import importlib.util
-import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from llm_engine.file_hash import file_sha256
 from llm_engine.hub import HubUnavailable, hub_location
 
 Kind = Literal["llm", "asr", "tts", "vad"]
@@ -184,51 +181,3 @@ def _installed(package: str) -> str:
         return "no metadata"
 
 
-_known: dict[str, str] = {}  # this process's hashes, by the index key
-
-
-def file_sha256(path: Path, cache_dir: str | Path | None = DEFAULT_CACHE_DIR) -> str:
-    """sha256 of a file, remembered by (path, size, mtime) in this process and, with a
-    `cache_dir`, in its sha256-index.json (the same index and key as llm_engine.loading's)."""
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    if key in _known:
-        return _known[key]
-    index = Path(cache_dir).expanduser() / "sha256-index.json" if cache_dir else None
-    known = _read_index(index)
-    if key not in known:
-        h = hashlib.sha256()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        known[key] = h.hexdigest()
-        _write_index(index, known)
-    _known[key] = known[key]
-    return known[key]
-
-
-def _read_index(index: Path | None) -> dict[str, str]:
-    if index is None:
-        return {}
-    try:
-        known = json.loads(index.read_text())
-    except (OSError, ValueError):
-        return {}  # none yet, unreadable or corrupt: hash again
-    return known if isinstance(known, dict) else {}
-
-
-def _write_index(index: Path | None, known: dict[str, str]) -> None:
-    """Atomically; an index that cannot be written only costs a hash next time."""
-    if index is None:
-        return
-    try:
-        index.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=index.parent, prefix=".sha256-index.")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f, indent=1)
-        os.replace(tmp, index)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)

@@ -1,10 +1,11 @@
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from llm_engine.errors import ModelLoadError
-from llm_engine.loading import load_causal_lm, pick_dtype
+from llm_engine.loading import load_causal_lm, pick_dtype, servable_folder
 from voiceagent.models import resolve
 
 
@@ -46,6 +47,25 @@ def test_gguf_is_dequantised_once_then_loaded_from_cache(tmp_path):
     ids = torch.tensor([[1, 504, 3458, 28]])
     assert torch.equal(first.model(ids).logits, second.model(ids).logits)
     assert second.tokenizer.chat_template == first.tokenizer.chat_template
+
+
+def test_a_dequantisation_another_process_finished_first_is_used(tmp_path):
+    """Two processes on a fresh machine (test workers, a rolling restart) de-quantise the same
+    file at once: the one whose rename comes second keeps the first one's folder, no error."""
+    messages: list[str] = []
+
+    def progress(line: str) -> None:
+        messages.append(line)
+        if line.startswith("de-quantising"):  # "... (first run only; cached in <target>)"
+            other = Path(line.rsplit("cached in ", 1)[1].rstrip(")"))
+            other.mkdir(parents=True)
+            (other / "config.json").write_text('{"by": "the other"}')  # while ours de-quantises
+
+    folder = Path(servable_folder(resolve("smollm2-135m-instruct", "llm").location, tmp_path,
+                                  progress))
+    assert (folder / "config.json").read_text() == '{"by": "the other"}'
+    assert any(m.startswith("another process de-quantised") for m in messages)
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no partial folder left
 
 
 def test_gguf_dequantisation_draws_no_bar_when_transformers_bars_are_off(tmp_path, capfd):
