@@ -65,8 +65,10 @@ async def test_barge_in_silences_the_bot_and_keeps_only_what_was_spoken(cfg, sha
     talkative = cfg.model_copy(deep=True)
     talkative.agent.system_prompt = "Always answer with a long story of at least ten sentences."
     talkative.engine.sampling.max_new_tokens = 160
-    audio = _caller(0.5, "Tell me a long story about a dragon.", 3.5, "Stop, stop please.", 5.0)
-    result = await simulate_call(talkative, shared, audio)
+    ask = _caller(0.5, "Tell me a long story about a dragon.", 1.0)
+    audio = np.concatenate([ask, _caller("Stop, stop please.", 5.0)])
+    # The caller cuts in once they have heard 1 s of the story, however late it starts.
+    result = await simulate_call(talkative, shared, audio, after_bot={len(ask): 1.0})
     first = result.turns[0]
     assert first.interrupted
     assert first.engine.finish_reason == "cancelled"

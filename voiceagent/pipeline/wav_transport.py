@@ -1,9 +1,12 @@
 """A pipecat transport for simulated calls: caller audio from memory, bot audio onto a timeline.
 
 Input pushes the caller's audio in 20 ms frames, at real-time pace like a phone line, then
-keeps the line open with silence until the call is hung up. Output behaves like an audio device:
-each write is placed on the call's timeline at the moment it plays and takes its duration in
-real time, so an interruption cuts the bot's audio where a caller would stop hearing it.
+keeps the line open with silence until the call is hung up. At given points of their audio a
+caller may wait until they have heard the bot for a while (`after_bot`), so that a scripted
+barge-in lands while the bot speaks however late a loaded machine starts it. Output behaves
+like an audio device: each write is placed on the call's timeline at the moment it plays and
+takes its duration in real time, so an interruption cuts the bot's audio where a caller would
+stop hearing it.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ class CallClock:
 class WavCallInput(BaseInputTransport):
     def __init__(
         self, audio: np.ndarray, sample_rate: int, clock: CallClock, params: TransportParams,
-        realtime: bool = True,
+        realtime: bool = True, after_bot: dict[int, float] | None = None, heard=None,
     ):
         super().__init__(params)
         assert audio.ndim == 1 and audio.dtype == np.int16
         self._audio, self._rate, self._clock, self._realtime = audio, sample_rate, clock, realtime
+        # sample index -> seconds of the bot the caller hears (`heard()`) before going on there
+        self._after_bot = dict(after_bot or {})
+        self._heard = heard
         self._feeder: asyncio.Task | None = None
         self.audio_done = asyncio.Event()  # every caller sample has been sent
 
@@ -66,23 +72,35 @@ class WavCallInput(BaseInputTransport):
         n = int(self._rate * FRAME_S)
         silence = bytes(2 * n)
         self._clock.t0 = time.monotonic()
-        i = 0
+        i = sent = 0  # i: the caller's frames said; sent: every frame on the line
         while True:  # after the audio, the line stays open with silence until hang-up
-            chunk = self._audio[i * n : (i + 1) * n]
-            if len(chunk) < n and not self.audio_done.is_set():
-                if len(chunk):
+            chunk = self._audio[:0] if self._waits(i * n, (i + 1) * n) else \
+                self._audio[i * n : (i + 1) * n]
+            if len(chunk):
+                i += 1
+                if len(chunk) < n:
                     chunk = np.pad(chunk, (0, n - len(chunk)))
-                else:
-                    self.audio_done.set()
+            elif i * n >= len(self._audio):
+                self.audio_done.set()
             data = chunk.tobytes() if len(chunk) else silence
             await self.push_audio_frame(
                 InputAudioRawFrame(audio=data, sample_rate=self._rate, num_channels=1)
             )
-            i += 1
+            sent += 1
             if self._realtime:
-                await asyncio.sleep(max(0.0, self._clock.t0 + i * FRAME_S - time.monotonic()))
+                await asyncio.sleep(max(0.0, self._clock.t0 + sent * FRAME_S - time.monotonic()))
             else:
                 await asyncio.sleep(0)
+
+    def _waits(self, start: int, end: int) -> bool:
+        """Whether the caller, about to say samples [start, end), first waits to hear the bot."""
+        due = [at for at in self._after_bot if start <= at < end]
+        if not due:
+            return False
+        if self._heard() < self._after_bot[due[0]]:
+            return True
+        del self._after_bot[due[0]]
+        return self._waits(start, end)
 
 
 class WavCallOutput(BaseOutputTransport):
@@ -104,6 +122,12 @@ class WavCallOutput(BaseOutputTransport):
             await asyncio.sleep(max(0.0, at - self._clock.now()))
         return True
 
+    def heard(self) -> float:
+        """Seconds of the bot's audio played by now."""
+        now = self._clock.now()
+        return sum(min(len(pcm) / (2 * self.sample_rate), max(0.0, now - at))
+                   for at, pcm in self.chunks)
+
     def timeline(self, seconds: float) -> np.ndarray:
         """The bot's audio as int16 on the call's timeline, `seconds` long."""
         rate = self.sample_rate
@@ -118,10 +142,11 @@ class WavCallOutput(BaseOutputTransport):
 
 
 class WavCallTransport(BaseTransport):
-    """A simulated phone line for `voiceagent call`."""
+    """A simulated phone line for `voiceagent call`; `after_bot` as `WavCallInput` has it."""
 
     def __init__(
-        self, audio: np.ndarray, sample_rate: int, out_sample_rate: int, realtime: bool = True
+        self, audio: np.ndarray, sample_rate: int, out_sample_rate: int, realtime: bool = True,
+        after_bot: dict[int, float] | None = None,
     ):
         super().__init__()
         self.clock = CallClock()
@@ -131,8 +156,9 @@ class WavCallTransport(BaseTransport):
             audio_out_enabled=True,
             audio_out_sample_rate=out_sample_rate,
         )
-        self._input = WavCallInput(audio, sample_rate, self.clock, params, realtime)
         self._output = WavCallOutput(self.clock, params, realtime)
+        self._input = WavCallInput(audio, sample_rate, self.clock, params, realtime, after_bot,
+                                   self._output.heard)
 
     def input(self) -> WavCallInput:
         return self._input

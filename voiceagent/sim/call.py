@@ -45,13 +45,16 @@ async def simulate_call(
     realtime: bool = True,
     method: str | None = None,
     store: CallLog | None = None,
+    after_bot: dict[int, float] | None = None,
 ) -> CallResult:
-    """Run one call with `audio` (int16 mono at RATE) as the caller; return its turns.
+    """Run one call with `audio` (int16 mono at RATE) as the caller; return its turns. At each
+    sample index of `after_bot`, the caller waits until they have heard that many seconds of
+    the bot before going on.
 
     Turns go to a JSONL file under the runs folder and, with `store` (the caller's, left open),
     to the turn store with the call's start and end.
     """
-    transport = WavCallTransport(audio, RATE, RATE, realtime=realtime)
+    transport = WavCallTransport(audio, RATE, RATE, realtime=realtime, after_bot=after_bot)
     sink = JsonlTurnSink(cfg.paths.runs_dir)
     ours = [sink, *filter(None, [telemetry_sink(cfg)])]  # closed here; the store is the caller's
     records = TurnRecords(list(ours))
