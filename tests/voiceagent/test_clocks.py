@@ -36,6 +36,7 @@ from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
     HeldAudioMetricsData,
+    RequestStartedMetricsData,
     TurnContinuesMetricsData,
 )
 from voiceagent.pipeline.turn_record import Percentiles, ToolCall, TurnStats
@@ -292,6 +293,55 @@ async def test_withdrawn_then_committed_preparation_is_one_turn_with_its_waste()
     assert turn.clocks.request_to_first_token_ms == 100  # from the committed preparation
     assert turn.clocks.turn_end_to_first_audio_ms == 2310 - 1800
 
+
+
+def _stats(request_id: str, *, cancelled: bool) -> MetricsFrame:
+    return MetricsFrame(data=[EngineStatsMetricsData(
+        processor="llm", request_id=request_id, interrupted=cancelled,
+        finish_reason="cancelled" if cancelled else "eos",
+        stats=RequestStats(itl_ms=[50.0], generated_tokens=9 if cancelled else 4, method="ngram",
+                           finish_reason="cancelled" if cancelled else "eos"),
+        prepared=True)])
+
+
+async def prepared_request(obs, request_id: str, words: str, at_ms: int, first: str) -> None:
+    """A prepared reply as the LLM service starts it: its context, its request, its text."""
+    await prepared_reply(obs, words, at_ms, first, at_ms + 100)
+    await push(obs, MetricsFrame(data=[RequestStartedMetricsData(
+        processor="llm", request_id=request_id, prepared=True)]), at_ms + 2, src=LLM)
+
+
+async def test_a_cancelled_reply_whose_stats_come_after_the_next_preparation_keeps_them():
+    """On a loaded machine the stats of a reply cut off by a barge-in came after the caller's
+    next words were being prepared; they went to that next turn, and the interrupted turn was
+    written without any."""
+    obs, records = await observing(lambda obs: push(obs, VADUserStartedSpeakingFrame(), 0))
+    await prepared_request(obs, "r1", "tell me a story", 900, "Once upon a time,")
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 1300)
+    await push(obs, TranscriptionFrame("Tell me a story.", "user", "now"), 1301)
+    await push(obs, UserStoppedSpeakingFrame(), 1302)
+    await push(obs, TTSStartedFrame(), 1350, src=TTS)
+    await push(obs, BotStartedSpeakingFrame(), 1400, src=OUT)
+    await talked_over_without_stats(obs, at_ms=2000)
+    await prepared_request(obs, "r2", "stop", 2600, "Sorry.")
+    await push(obs, _stats("r1", cancelled=True), 2750)  # late: the worker was busy
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 2900)
+    await push(obs, TranscriptionFrame("Stop.", "user", "now"), 2901)
+    await push(obs, UserStoppedSpeakingFrame(), 2902)
+    await push(obs, BotStartedSpeakingFrame(), 3000, src=OUT)
+    await push(obs, _stats("r2", cancelled=False), 3100)
+    await push(obs, BotStoppedSpeakingFrame(), 3500, src=OUT)
+    story, stop = records
+    assert story.interrupted and story.engine.finish_reason == "cancelled"
+    assert story.engine.generated_tokens == 9
+    assert stop.engine.finish_reason == "eos" and stop.engine.generated_tokens == 4
+
+
+async def talked_over_without_stats(obs, at_ms: int) -> None:
+    await push(obs, VADUserStartedSpeakingFrame(), at_ms)
+    await push(obs, InterruptionFrame(), at_ms + 10)
+    await dropped_by_transport(obs, at_ms + 20)
+    await push(obs, BotStoppedSpeakingFrame(), at_ms + 30, src=OUT)
 
 
 async def ended_at_a_comma(obs, *, goes_on: bool):

@@ -67,6 +67,7 @@ from voiceagent.pipeline.metrics import (
     ASRFinalMetricsData,
     EngineStatsMetricsData,
     HeldAudioMetricsData,
+    RequestStartedMetricsData,
     TurnContinuesMetricsData,
 )
 from voiceagent.pipeline.turn_record import (
@@ -287,6 +288,7 @@ class ClocksObserver(BaseObserver):
         # A turn whose reply was withdrawn unheard, kept until the next turn says whether the
         # caller went on with it (`_Turn.absorb`) or not (then it is a record of its own).
         self._unheard: _Turn | None = None
+        self._started: dict[str, _Turn] = {}  # the turn each request in flight began for
 
     @property
     def idle(self) -> bool:
@@ -504,12 +506,15 @@ class ClocksObserver(BaseObserver):
 
     def _metrics(self, frame: MetricsFrame) -> None:
         for item in frame.data:
-            if isinstance(item, EngineStatsMetricsData) and item.discarded:
+            if isinstance(item, RequestStartedMetricsData):
+                if (turn := self._replying(item.prepared)) is not None:
+                    self._started[item.request_id] = turn
+            elif isinstance(item, EngineStatsMetricsData) and item.discarded:
+                self._started.pop(item.request_id, None)
                 if (turn := self._listening or self._answering) is not None:
                     turn.preparation.discarded_tokens += item.stats.generated_tokens
             elif isinstance(item, EngineStatsMetricsData):
-                # A prepared reply may finish generating before its turn is confirmed.
-                turn = self._preparing if item.prepared and self._preparing else self._answering
+                turn = self._owner(item)
                 if turn is not None:
                     stats = TurnStats.of(item.stats, request_id=item.request_id,
                                          interrupted=item.interrupted, error=item.error)
@@ -529,6 +534,19 @@ class ClocksObserver(BaseObserver):
                 target = self._listening or self._answering
                 if target is not None:
                     target.asr_final_ms = item.final_ms
+
+    def _replying(self, prepared: bool) -> _Turn | None:
+        """The turn a request that starts now replies to. A prepared reply may also finish
+        generating before its turn is confirmed."""
+        return self._preparing if prepared and self._preparing else self._answering
+
+    def _owner(self, item: EngineStatsMetricsData) -> _Turn | None:
+        """The turn a request's stats belong to: the one it began for, if that turn is still
+        open (none once it was written without them), else the one replying now."""
+        if item.request_id not in self._started:
+            return self._replying(item.prepared)
+        turn = self._started.pop(item.request_id)
+        return turn if turn is self._answering or turn is self._preparing else None
 
     def _emit_if_complete(self) -> None:
         if self._answering is not None and self._answering.complete:

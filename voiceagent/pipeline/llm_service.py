@@ -133,7 +133,11 @@ from llm_engine.serving import Completion
 from voiceagent.pipeline.chat_backend import ChatBackend, ChatHandle
 from voiceagent.pipeline.continuation import Continuations, continues_last, joined
 from voiceagent.pipeline.frames import PreparedResponseStartFrame, UserWordsSoFarFrame
-from voiceagent.pipeline.metrics import EngineStatsMetricsData, TurnContinuesMetricsData
+from voiceagent.pipeline.metrics import (
+    EngineStatsMetricsData,
+    RequestStartedMetricsData,
+    TurnContinuesMetricsData,
+)
 from voiceagent.pipeline.tool_calls import ToolPolicy
 
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -456,6 +460,8 @@ class ChatLLMService(LLMService):
         superseded, self._prepared = self._prepared, request if prepared else None
         if superseded is not None:  # its turn was never confirmed: its early results go
             await self._drop_early(superseded)
+        await self.push_frame(MetricsFrame(data=[RequestStartedMetricsData(
+            processor=self.name, request_id=request.id, prepared=prepared)]))
         if continues_last(context.get_messages(), self._continuations.joins):
             # The turn's record says what the model was asked: this turn and the one before.
             await self.push_frame(MetricsFrame(data=[TurnContinuesMetricsData(

@@ -28,6 +28,15 @@ class EngineStatsMetricsData(MetricsData):
     error: str | None = None  # why the request failed (finish_reason "error")
 
 
+class RequestStartedMetricsData(MetricsData):
+    """An LLM request began, for the turn being prepared (`prepared`) or answered. Its engine
+    stats go to that turn: on a loaded machine a cancelled reply's stats can come after the
+    next turn's preparation has begun."""
+
+    request_id: str
+    prepared: bool = False
+
+
 class HeldAudioMetricsData(MetricsData):
     """Audio of a prepared reply that the held-reply gate dropped: synthesised, never played."""
 
