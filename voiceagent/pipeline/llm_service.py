@@ -81,6 +81,8 @@ Frames:
     out  LLMFullResponseStartFrame (PreparedResponseStartFrame for a prepared reply), LLMTextFrame
              (one per non-empty delta), LLMFullResponseEndFrame
              (not for an interrupted reply: the InterruptionFrame ends it)
+         MetricsFrame[RequestStartedMetricsData] when each engine request starts (its id, and
+             whether it is prepared: the clocks observer gives its stats to that turn)
          MetricsFrame[EngineStatsMetricsData] when each engine request ends, interrupted or not,
              whether or not pipecat metrics are enabled (the clocks observer reads it)
          MetricsFrame[TTFB, processing] when pipecat metrics are enabled
