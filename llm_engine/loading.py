@@ -200,7 +200,10 @@ def _dequantised_folder(
     # A folder of this process's own: several processes may de-quantise the same file at once
     # (test workers, a rolling restart on a fresh machine); the first rename wins.
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.", suffix=".partial"))
+    _remove_abandoned(target)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.{os.getpid()}.",
+                                    suffix=".partial"))
+    partial.chmod(0o755)  # as a plain mkdir makes it: a cache other accounts may read
     try:
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
@@ -214,6 +217,25 @@ def _dequantised_folder(
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return target, False
+
+
+def _remove_abandoned(target: Path) -> None:
+    """Partial folders of processes that died de-quantising (killed, out of memory): each is
+    a full-size copy, and nothing else would remove it."""
+    for partial in target.parent.glob(f"{target.name}.*.partial"):
+        pid = partial.name.split(".")[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another account's process
+    return True
 
 
 def _gguf_bar_obeys_transformers() -> None:

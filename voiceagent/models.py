@@ -179,5 +179,3 @@ def _installed(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "no metadata"
-
-

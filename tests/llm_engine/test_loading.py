@@ -1,3 +1,4 @@
+import os
 import time
 from pathlib import Path
 
@@ -51,7 +52,8 @@ def test_gguf_is_dequantised_once_then_loaded_from_cache(tmp_path):
 
 def test_a_dequantisation_another_process_finished_first_is_used(tmp_path):
     """Two processes on a fresh machine (test workers, a rolling restart) de-quantise the same
-    file at once: the one whose rename comes second keeps the first one's folder, no error."""
+    file at once: the one whose rename comes second keeps the first one's folder, no error; a
+    dead process's partial folder is removed, a live one's kept."""
     messages: list[str] = []
 
     def progress(line: str) -> None:
@@ -60,12 +62,17 @@ def test_a_dequantisation_another_process_finished_first_is_used(tmp_path):
             other = Path(line.rsplit("cached in ", 1)[1].rstrip(")"))
             other.mkdir(parents=True)
             (other / "config.json").write_text('{"by": "the other"}')  # while ours de-quantises
+            # A dead process's partial folder (pids stop at 4194304), and a live one's.
+            (other.parent / f"{other.name}.4194305.abc.partial").mkdir()
+            (other.parent / f"{other.name}.{os.getppid()}.abc.partial").mkdir()
 
     folder = Path(servable_folder(resolve("smollm2-135m-instruct", "llm").location, tmp_path,
                                   progress))
     assert (folder / "config.json").read_text() == '{"by": "the other"}'
     assert any(m.startswith("another process de-quantised") for m in messages)
-    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no partial folder left
+    # ours and the dead process's partial folders are gone; the live one's is its own
+    assert sorted(p.name for p in folder.parent.iterdir()) == sorted(
+        [folder.name, f"{folder.name}.{os.getppid()}.abc.partial"])
 
 
 def test_gguf_dequantisation_draws_no_bar_when_transformers_bars_are_off(tmp_path, capfd):

@@ -541,12 +541,13 @@ class ClocksObserver(BaseObserver):
         return self._preparing if prepared and self._preparing else self._answering
 
     def _owner(self, item: EngineStatsMetricsData) -> _Turn | None:
-        """The turn a request's stats belong to: the one it began for, if that turn is still
-        open (none once it was written without them), else the one replying now."""
+        """The turn a request's stats belong to: the one it began for, if that turn is not
+        written yet (none once it was written without them), else the one replying now."""
         if item.request_id not in self._started:
             return self._replying(item.prepared)
         turn = self._started.pop(item.request_id)
-        return turn if turn is self._answering or turn is self._preparing else None
+        return turn if any(turn is t for t in (self._answering, self._preparing,
+                                               self._unheard)) else None
 
     def _emit_if_complete(self) -> None:
         if self._answering is not None and self._answering.complete:

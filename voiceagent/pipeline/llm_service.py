@@ -460,10 +460,10 @@ class ChatLLMService(LLMService):
         self._requests[request.id] = request
         self._current = request
         superseded, self._prepared = self._prepared, request if prepared else None
-        if superseded is not None:  # its turn was never confirmed: its early results go
-            await self._drop_early(superseded)
         await self.push_frame(MetricsFrame(data=[RequestStartedMetricsData(
             processor=self.name, request_id=request.id, prepared=prepared)]))
+        if superseded is not None:  # its turn was never confirmed: its early results go
+            await self._drop_early(superseded)
         if continues_last(context.get_messages(), self._continuations.joins):
             # The turn's record says what the model was asked: this turn and the one before.
             await self.push_frame(MetricsFrame(data=[TurnContinuesMetricsData(

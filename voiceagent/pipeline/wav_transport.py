@@ -23,6 +23,7 @@ from pipecat.transports.base_transport import BaseTransport, TransportParams
 from voiceagent.pipeline.frames import audio_seconds
 
 FRAME_S = 0.02
+MAX_WAIT_S = 30.0  # the longest a caller waits to hear the bot (`after_bot`)
 
 
 class CallClock:
@@ -45,7 +46,10 @@ class WavCallInput(BaseInputTransport):
         self._audio, self._rate, self._clock, self._realtime = audio, sample_rate, clock, realtime
         # sample index -> seconds of the bot the caller hears (`heard()`) before going on there
         self._after_bot = dict(after_bot or {})
+        assert heard is not None or not self._after_bot, "after_bot needs heard()"
         self._heard = heard
+        self._waiting: dict[int, float] = {}  # sample index -> call time its wait began
+        self.waited: dict[int, float] = {}  # sample index -> seconds the caller waited there
         self._feeder: asyncio.Task | None = None
         self.audio_done = asyncio.Event()  # every caller sample has been sent
 
@@ -93,14 +97,27 @@ class WavCallInput(BaseInputTransport):
                 await asyncio.sleep(0)
 
     def _waits(self, start: int, end: int) -> bool:
-        """Whether the caller, about to say samples [start, end), first waits to hear the bot."""
+        """Whether the caller, about to say samples [start, end), first waits to hear the bot
+        (that many seconds of it in all, since the call began). A bot that never speaks that
+        long does not hold the caller more than MAX_WAIT_S."""
         due = [at for at in self._after_bot if start <= at < end]
         if not due:
             return False
-        if self._heard() < self._after_bot[due[0]]:
+        at = due[0]
+        since = self._waiting.setdefault(at, self._clock.now())
+        if self._heard() < self._after_bot[at] and self._clock.now() - since < MAX_WAIT_S:
             return True
-        del self._after_bot[due[0]]
+        del self._after_bot[at]
+        self.waited[at] = self._clock.now() - since
         return self._waits(start, end)
+
+    def as_sent(self) -> np.ndarray:
+        """The caller's audio as it went down the line: with the silence of each wait."""
+        parts, last = [], 0
+        for at, seconds in sorted(self.waited.items()):
+            parts += [self._audio[last:at], np.zeros(int(seconds * self._rate), np.int16)]
+            last = at
+        return np.concatenate([*parts, self._audio[last:]])
 
 
 class WavCallOutput(BaseOutputTransport):

@@ -32,7 +32,7 @@ MAX_WAIT_S = 60.0  # ... or at the latest this long after the caller's audio end
 class CallResult:
     call_id: str
     turns: list[TurnRecord]
-    caller: np.ndarray  # int16 at RATE
+    caller: np.ndarray  # int16 at RATE, as sent (with the silences the caller waited)
     bot: np.ndarray  # int16 at RATE, on the caller's timeline
     jsonl: Path
     messages: list[dict]  # the conversation context at hang-up
@@ -49,7 +49,7 @@ async def simulate_call(
 ) -> CallResult:
     """Run one call with `audio` (int16 mono at RATE) as the caller; return its turns. At each
     sample index of `after_bot`, the caller waits until they have heard that many seconds of
-    the bot before going on.
+    the bot in all before going on (`CallResult.caller` has those silences).
 
     Turns go to a JSONL file under the runs folder and, with `store` (the caller's, left open),
     to the turn store with the call's start and end.
@@ -80,10 +80,10 @@ async def simulate_call(
             store.end_call(call.call_id, time.time())
         for mine in ours:
             mine.close()
-    seconds = max(len(audio) / RATE, transport.clock.now())
+    seconds = max(len(transport.input().as_sent()) / RATE, transport.clock.now())
     bot = transport.output().timeline(seconds)
     return CallResult(
-        call.call_id, records.by_call.get(call.call_id, []), audio, bot,
+        call.call_id, records.by_call.get(call.call_id, []), transport.input().as_sent(), bot,
         sink.path_for(call.call_id), list(call.context.get_messages()),
     )
 
