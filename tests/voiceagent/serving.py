@@ -16,10 +16,14 @@ def server_config(tmp_path, *overrides: str) -> Config:
     meet the previous call's slot still being freed, so 4 slots and no admission by measured
     load (test_admission turns it on) unless `overrides` say. The test's callers share the
     server's event loop and synthesise their speech on it, which on a loaded machine can stall a
-    Twilio handshake past the default 5 s `start` deadline: 30 s here."""
+    Twilio handshake past the default 5 s `start` deadline: 30 s here. The engine steps on one
+    thread: the suite's two workers share two cores, and beside the other worker a 2-thread step
+    waits on its OpenMP partner at every layer (two prepared replies made 7 tokens in 2.7 s,
+    against 11 ms a step alone); the thread settings have tests of their own, and the soak runs
+    on the default threads, as `voiceagent serve` does."""
     return load_config(None, [f"paths.runs_dir={tmp_path}/runs", "server.max_calls=4",
                               "server.admit_clock3_ms=0", "server.start_timeout_s=30",
-                              *overrides])
+                              "engine.threads=1", *overrides])
 
 
 def twilio_url(base: str) -> str:

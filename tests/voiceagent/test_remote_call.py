@@ -30,7 +30,8 @@ async def test_a_call_on_a_remote_llm_has_its_clocks_method_and_speculation(
                              f"llm.base_url={remote_url}", "llm.name=serve-ngram"])
     shared = load_shared(cfg, progress=lambda _: None)
     assert shared.worker is None  # no local LLM loaded
-    audio = np.concatenate([silence(0.5), speech("What is the capital of France?"), silence(6.0),
+    # 10 s: the first reply is heard before the caller goes on even on a loaded machine.
+    audio = np.concatenate([silence(0.5), speech("What is the capital of France?"), silence(10.0),
                             speech("And what about Spain?"), silence(5.0)])
     store = open_store(cfg)
     try:

@@ -14,12 +14,14 @@ import pytest
 from tests.audio.speech import speech
 from tests.memory import settled_memory
 from tests.voiceagent.serving import server_config, serving, twilio_url, until
+from voiceagent.pipeline.builder import load_shared
 from voiceagent.sim.twilio_caller import TwilioCaller
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 CALLS = int(os.environ.get("VOICEAGENT_SOAK_CALLS", "50"))
 AT_ONCE = 4
+DEFAULT_THREADS = ("engine.threads=auto",)
 QUESTIONS = ["What is the capital of France?", "How far away is the moon?",
              "Can you recommend a good book?"]
 STOP = "Stop, wait a moment please."
@@ -67,9 +69,19 @@ def _median_slope(values: list[float]) -> float:
     return float(np.median(pairs))
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The soak's own models, on the engine's default threads as `voiceagent serve` runs (the
+    suite's shared ones step on one thread, `server_config`): one thread moved the RSS slope."""
+    loaded = load_shared(server_config(tmp_path_factory.mktemp("m"), *DEFAULT_THREADS),
+                         progress=lambda _: None)
+    yield loaded
+    loaded.close()
+
+
 async def test_a_soak_of_calls_leaves_nothing_behind_and_memory_flat(tmp_path, models):
     audio = {text: speech(text) for text in [*QUESTIONS, STOP]}
-    cfg = server_config(tmp_path, f"server.max_calls={AT_ONCE}")
+    cfg = server_config(tmp_path, f"server.max_calls={AT_ONCE}", *DEFAULT_THREADS)
     async with serving(cfg, models) as (app, base):
         server, url = app.state.server, twilio_url(base)
         engine = models.worker
