@@ -8,7 +8,7 @@ The model packages are pinned (pyproject.toml, scripts/setup.sh) and the files t
 checked against the sha256 of the pinned release when resolved, so a changed release, a
 corrupt download or an edited file is refused, naming the file and the release expected. A
 file's hash is remembered by (path, size, mtime) in `<cache_dir>/sha256-index.json` (the index
-llm_engine.loading keeps for GGUF files), so only a new or changed file is read in full.
+`llm_engine.file_hash` keeps for GGUF files too), so only a new or changed file is read in full.
 """
 
 from __future__ import annotations

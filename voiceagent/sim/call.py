@@ -80,10 +80,10 @@ async def simulate_call(
             store.end_call(call.call_id, time.time())
         for mine in ours:
             mine.close()
-    seconds = max(len(transport.input().as_sent()) / RATE, transport.clock.now())
-    bot = transport.output().timeline(seconds)
+    caller = transport.input().as_sent()
+    bot = transport.output().timeline(max(len(caller) / RATE, transport.clock.now()))
     return CallResult(
-        call.call_id, records.by_call.get(call.call_id, []), transport.input().as_sent(), bot,
+        call.call_id, records.by_call.get(call.call_id, []), caller, bot,
         sink.path_for(call.call_id), list(call.context.get_messages()),
     )
 
