@@ -6,6 +6,7 @@ whatever the machine's speed.
 """
 
 import asyncio
+import functools
 
 import pytest
 from pipecat.frames.frames import EagerTranscriptionFrame
@@ -23,6 +24,7 @@ from voiceagent.pipeline.turns import (
 )
 from voiceagent.pipeline.utterance_end import UtteranceEnd, normalise
 from voiceagent.sim.call import simulate_call
+from voiceagent.tools import load_tools, takes_whole_number
 
 STOP_S = 0.3
 HOLD_S = 4.0  # longer than an unheld turn's first audio on a loaded 2-core AVX2 CPU (~2 s)
@@ -59,6 +61,28 @@ def test_words_that_sound_unfinished(text, unfinished):
 ])
 def test_words_without_closing_punctuation_leave_the_end_open(text, end):
     assert ending(text) == end
+
+
+DEMO_NUMBERS = functools.partial(takes_whole_number, load_tools(["voiceagent.tools.demo"]))
+
+
+@pytest.mark.parametrize("text, end", [
+    ("The order number is 4821-3.", FINISHED),  # as Whisper wrote five digits read out
+    ("The order number is 4821, 3", UNSURE),  # whole, but Whisper left it bare
+    ("The order number is 4821.", UNFINISHED),  # an order takes five digits: it goes on
+    ("My number is 555-123.", UNFINISHED),  # no tool asked for takes it
+])
+def test_digits_in_groups_that_a_tool_takes_whole_end_the_words(text, end):
+    assert ending(text, DEMO_NUMBERS) == end
+
+
+def test_an_order_number_a_tool_takes_whole_is_not_held():
+    """The turn's hold asks the tools: "4821-3." alone would hold the turn as a group read out."""
+    async def held(whole_number) -> bool:
+        strategy = HoldingSpeechTimeoutStopStrategy(hold_s=1.0, whole_number=whole_number)
+        return await strategy._sounds_unfinished("The order number is 4821-3.")
+
+    assert asyncio.run(held(None)) and not asyncio.run(held(DEMO_NUMBERS))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from voiceagent.tools import ToolError, load_tools
+from voiceagent.tools import ToolError, load_tools, takes_whole_number
 
 DEMO = "voiceagent.tools.demo"
 
@@ -74,6 +74,24 @@ async def test_an_order_is_found_by_its_five_digits_and_other_forms_are_refused(
     assert found.ok and found.content["status"] == "shipped"
     assert missing.ok and missing.content == {"order_id": "11111", "found": False}
     assert not spaced.ok and "does not match" in spaced.content["error"]
+
+
+def _number_tool(pattern: str) -> dict:
+    return _spec(name="find", triggers=[r"\border\b"], parameters={
+        "type": "object", "properties": {"order_id": {"type": "string", "pattern": pattern}}})
+
+
+@pytest.mark.parametrize("tools, words, digits, whole", [
+    ([DEMO], "the order number is 4821-3", "48213", True),  # the five digits an order takes
+    ([DEMO], "the order number is 4821", "4821", False),  # four: the caller goes on
+    ([DEMO], "my phone number is 48213", "48213", False),  # no tool is asked for
+    ([_number_tool("^[0-9]{10}$")], "order 555-123-4567", "5551234567", True),
+    ([_number_tool("^[0-9]{3,10}$")], "order 555-123", "555123", False),  # could go on
+    ([_number_tool("[0-9]{5}")], "order 48213", "48213", False),  # unanchored: longer ones too
+])
+def test_a_number_is_whole_where_a_triggered_tool_takes_it_and_no_longer_one(
+        tools, words, digits, whole):
+    assert takes_whole_number(load_tools(tools), words, digits) is whole
 
 
 @pytest.mark.parametrize("spec,reason", [

@@ -63,7 +63,7 @@ from voiceagent.pipeline.turn_record import TurnRecord
 from voiceagent.pipeline.turns import turn_strategies
 from voiceagent.pipeline.utterance_end import UtteranceEnd
 from voiceagent.pipeline.vad import PausingVADProcessor, make_vad
-from voiceagent.tools import load_tools
+from voiceagent.tools import load_tools, takes_whole_number
 from voiceagent.urls import redact
 
 
@@ -232,7 +232,8 @@ def build_call(
     call_id = call_id or uuid.uuid4().hex[:12]
     tools = load_tools(cfg.agent.tools)
     context = LLMContext()
-    strategies = turn_strategies(cfg.turn, speech.smart_turn, _utterance_end(cfg, shared))
+    strategies = turn_strategies(cfg.turn, speech.smart_turn, _utterance_end(cfg, shared),
+                                 functools.partial(takes_whole_number, tools))
     aggregators = LLMContextAggregatorPair(
         context, user_params=LLMUserAggregatorParams(user_turn_strategies=strategies))
     llm = ChatLLMService(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 
 from loguru import logger
 from pipecat.frames.frames import (
@@ -54,9 +55,13 @@ CONTINUING = frozenset(
 
 
 UNFINISHED, UNSURE, FINISHED = "unfinished", "unsure", "finished"
+# Whether the caller's words (first) end on a whole number (second, its digits): a tool takes it
+# (`voiceagent.tools.takes_whole_number`).
+WholeNumber = Callable[[str, str], bool]
+_TRAILING_DIGITS = re.compile(r"(\d[\d\s,-]*?)[.?!]*$")
 
 
-def ending(text: str) -> str:
+def ending(text: str, whole_number: WholeNumber | None = None) -> str:
     """How the caller's words so far end: UNFINISHED on a word like "and" or "the" or a filler,
     a trailing comma or dash, or a short group of digits (a number read out in groups: "555,
     1234"); FINISHED on closing punctuation (Whisper punctuates what it hears as finished);
@@ -64,7 +69,8 @@ def ending(text: str) -> str:
     is it there"), or where closing punctuation follows a word like "you" or "that" ("Thank
     you.", "I think that."), or a question mark after a short number ("What is 2 plus 2?"): the
     language model's cue decides those, the hold without one. A number Whisper wrote with
-    separators ("51,772", "3.50") is one number, not a group read out."""
+    separators ("51,772", "3.50") is one number, not a group read out. With `whole_number`, digits
+    in groups that it calls whole end the words as a word would ("the order number is 4821-3.")."""
     text = text.strip()
     if not text:
         return FINISHED
@@ -74,6 +80,9 @@ def ending(text: str) -> str:
     last = words[-1] if words else ""
     closed = text[-1] in ".?!"
     if last.isdigit() and len(last) <= 4:
+        if whole_number is not None and (digits := _TRAILING_DIGITS.search(text)) and \
+                whole_number(text, re.sub(r"\D", "", digits.group(1))):
+            return FINISHED if closed else UNSURE
         return UNSURE if text[-1] == "?" else UNFINISHED
     if last in CONTINUING:
         return UNSURE if closed else UNFINISHED
@@ -202,9 +211,10 @@ class _HoldingUnfinished(_HeardWords):
     Spain". Speech in the meantime cancels the hold (the VAD's start resets the strategy)."""
 
     def __init__(self, *, hold_s: float = 0.0, utterance_end: UtteranceEnd | None = None,
-                 cue_always: bool = False, **kwargs):
+                 cue_always: bool = False, whole_number: WholeNumber | None = None, **kwargs):
         super().__init__(**kwargs)
         self._hold_s = hold_s
+        self._whole_number = whole_number  # digits a tool takes whole end the words
         self._hold: asyncio.Task | None = None
         self._utterance_end = utterance_end if hold_s > 0 else None
         self._cue_always = cue_always  # the cue also on words that end finished
@@ -222,7 +232,7 @@ class _HoldingUnfinished(_HeardWords):
             # `cue_always`, words that end finished are scored only while no reply is in flight:
             # under other callers' load the score would delay their replies (the words decide).
             words = " ".join([*self._finals, frame.text])
-            end = ending(words)
+            end = self._ending(words)
             if end == UNSURE or (self._cue_always and end == FINISHED and
                                  self._utterance_end.idle):
                 self._utterance_end.prefetch(words)
@@ -230,7 +240,7 @@ class _HoldingUnfinished(_HeardWords):
 
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         text = " ".join(self._finals)
-        end = ending(text)
+        end = self._ending(text)
         if self._hold_s > 0 and self._hold is None and (end != FINISHED or self._asks_cue(text)):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
@@ -249,16 +259,19 @@ class _HoldingUnfinished(_HeardWords):
         await super().trigger_user_turn_stopped(
             enable_user_speaking_frames=enable_user_speaking_frames)
 
+    def _ending(self, text: str) -> str:
+        return ending(text, self._whole_number)
+
     def _asks_cue(self, text: str) -> bool:
         """Whether the language model's cue decides these words: where the words leave it open
         (UNSURE), or with `cue_always` where they end finished and were scored (an idle engine
         at the pause)."""
-        end = ending(text)
+        end = self._ending(text)
         return self._utterance_end is not None and (end == UNSURE or (
             self._cue_always and end == FINISHED and self._utterance_end.asked(text)))
 
     async def _sounds_unfinished(self, text: str) -> bool:
-        end = ending(text)
+        end = self._ending(text)
         if not self._asks_cue(text):
             return end != FINISHED
         try:  # the score is usually ready; an engine busy for longer must not hold the turn
@@ -353,10 +366,11 @@ class SustainedSpeechUserTurnStartStrategy(BaseUserTurnStartStrategy):
 
 
 def turn_strategies(cfg: TurnConfig, smart_turn_session=None,
-                    utterance_end: UtteranceEnd | None = None) -> UserTurnStrategies:
+                    utterance_end: UtteranceEnd | None = None,
+                    whole_number: WholeNumber | None = None) -> UserTurnStrategies:
     """The user aggregator's strategies for this config; `turn.stop: smart_turn` needs the
     process's Smart Turn session (`load_smart_turn_session`); `utterance_end` adds the language
-    model's cue to `turn.stop: vad`'s hold."""
+    model's cue to `turn.stop: vad`'s hold, and `whole_number` ends it on a number a tool takes."""
     start = default_user_turn_start_strategies()
     if cfg.min_interrupt_s > 0 or cfg.min_interrupt_words > 1:
         # Over the bot, a backchannel ("mm-hmm") shorter than either limit does not take the
@@ -367,7 +381,8 @@ def turn_strategies(cfg: TurnConfig, smart_turn_session=None,
         if cfg.min_interrupt_words > 1:
             start.append(MinWordsUserTurnStartStrategy(min_words=cfg.min_interrupt_words))
     return UserTurnStrategies(start=start,
-                              stop=[_stop_strategy(cfg, smart_turn_session, utterance_end)])
+                              stop=[_stop_strategy(cfg, smart_turn_session, utterance_end,
+                                                   whole_number)])
 
 
 SMART_TURN_MODEL = ("pipecat.audio.turn.smart_turn.data", "smart-turn-v3.2-cpu.onnx")
@@ -405,8 +420,8 @@ def _smart_turn_analyzer(session):
     return SharedSessionSmartTurn()
 
 
-def _stop_strategy(cfg: TurnConfig, smart_turn_session,
-                   utterance_end: UtteranceEnd | None) -> BaseUserTurnStopStrategy:
+def _stop_strategy(cfg: TurnConfig, smart_turn_session, utterance_end: UtteranceEnd | None,
+                   whole_number: WholeNumber | None) -> BaseUserTurnStopStrategy:
     if cfg.stop == "smart_turn":
         if smart_turn_session is None:
             raise ValueError("turn.stop is smart_turn, but no Smart Turn model is loaded")
@@ -418,7 +433,8 @@ def _stop_strategy(cfg: TurnConfig, smart_turn_session,
     # and the STT's finalized transcript releases the turn at once, unless its words sound
     # unfinished.
     holding = {"user_speech_timeout": 0, "hold_s": cfg.unfinished_hold_s,
-               "utterance_end": utterance_end, "cue_always": cfg.unfinished_cue == "always"}
+               "utterance_end": utterance_end, "cue_always": cfg.unfinished_cue == "always",
+               "whole_number": whole_number}
     if cfg.prepare:
         return PreparingSpeechTimeoutStopStrategy(**holding)
     return HoldingSpeechTimeoutStopStrategy(**holding)

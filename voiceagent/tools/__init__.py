@@ -11,6 +11,11 @@ and optionally:
 - `read_only: true`: the tool changes nothing, so it may run on a reply prepared while the caller
   may still go on (its result is then ready when the turn is confirmed, and dropped with the
   reply when it is withdrawn); a tool with side effects runs only after the turn is confirmed;
+- a string parameter's `pattern` (JSON schema) also tells the turn's end when a number read out
+  is whole: where the caller's words trigger the tool and end on digits its pattern takes, and
+  takes no longer number that goes on from them, the caller is done ("the order number is
+  4821-3" is the five digits `^[0-9]{5}$` takes), where "555-123" could go on and is held
+  (`takes_whole_number`);
 - `say`: a spoken template for the result, e.g. "Order {order_id!d} is {status}.", filled from
   the result's fields (`!d` reads a number digit by digit, as one reads an order number on the
   phone) and spoken at once instead of the model's answer; when a field is missing (an order not
@@ -32,7 +37,7 @@ import importlib
 import re
 import string
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +73,7 @@ class Tool:
     triggers: tuple[re.Pattern, ...] = ()
     read_only: bool = False
     say: str = ""
+    patterns: tuple[re.Pattern, ...] = ()  # its string parameters' patterns
 
     def triggered_by(self, words: str) -> bool:
         return any(pattern.search(words) for pattern in self.triggers)
@@ -105,6 +111,21 @@ class Tool:
             return result(False, {"error": f"{self.name} took longer than {timeout_s:g} s"})
         except Exception as exc:  # noqa: BLE001 - a failing tool is reported, never fatal
             return result(False, {"error": f"{self.name} failed: {type(exc).__name__}: {exc}"})
+
+
+GROUP_DIGITS = 4  # a number read out in groups goes on by a group of at most this many digits
+
+
+def takes_whole_number(tools: Sequence[Tool], words: str, digits: str) -> bool:
+    """Whether a tool that the caller's words trigger takes `digits` whole as a string
+    argument: one of its patterns matches them, and none matches them followed by another group
+    of up to GROUP_DIGITS digits (a pattern that takes 3 to 10 digits leaves "555-123" open)."""
+    def whole(pattern: re.Pattern) -> bool:
+        return bool(pattern.search(digits)) and not any(
+            pattern.search(digits + "0" * n) for n in range(1, GROUP_DIGITS + 1))
+
+    return any(tool.triggered_by(words) and any(whole(p) for p in tool.patterns)
+               for tool in tools)
 
 
 class _SpokenFormatter(string.Formatter):
@@ -162,7 +183,20 @@ def _tool(spec: dict) -> Tool:
         raise ToolError(f"tools: {name}'s say must be a text template, not {say!r}")
     return Tool(name, spec.get("description", ""), parameters, _handler(name, spec.get("handler")),
                 bool(spec.get("ends_call", False)), _triggers(name, spec.get("triggers", [])),
-                bool(spec.get("read_only", False)), say)
+                bool(spec.get("read_only", False)), say, _patterns(parameters))
+
+
+def _patterns(parameters: dict) -> tuple[re.Pattern, ...]:
+    """The patterns of the top-level string parameters that Python's re reads alike (JSON
+    schema's are ECMA-262; one Python cannot compile is left to the schema's own check)."""
+    patterns = []
+    for spec in parameters.get("properties", {}).values():
+        if isinstance(spec, dict) and isinstance(spec.get("pattern"), str):
+            try:
+                patterns.append(re.compile(spec["pattern"]))
+            except re.error:
+                continue
+    return tuple(patterns)
 
 
 def _triggers(name: str, patterns: Any) -> tuple[re.Pattern, ...]:
