@@ -68,10 +68,13 @@ def attending(runner: LeanRunner, runs: list[int]):
     runner.lean._attend_run = counted
 
 
-@pytest.mark.parametrize("pool", [False, True], ids=["each-alone", "one-product"])
+@pytest.mark.parametrize("pool, attention, reverse", [
+    (False, None, True), (True, None, True), (True, None, False), (True, torch.float32, True)],
+    ids=["each-alone", "one-product", "one-product-in-slot-order", "one-product-fp32-cache"])
 @pytest.mark.parametrize("fmt", LEAN_FORMATS)
-def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, fmt, pool):
-    runner = pooled(target, fmt) if pool else invariant(target, fmt)
+def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, fmt, pool,
+                                                                        attention, reverse):
+    runner = pooled(target, fmt, attention) if pool else invariant(target, fmt)
     runs: list[int] = []
     attending(runner, runs)
     prompts = random_prompts(target.config.vocab_size, 3, seed=21)
@@ -83,10 +86,11 @@ def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, 
             caches.append(cache)
             steps.append(torch.tensor([prompt[:1 + j]]))  # 1, 2 and 3 rows
         starts = [c.length for c in caches]
-        caches, steps = caches[::-1], steps[::-1]  # out of slot order
+        if reverse:  # out of slot order
+            caches, steps, starts = caches[::-1], steps[::-1], starts[::-1]
         together = runner.forward_many(list(zip(caches, steps, strict=True)))
         assert runs == ([3] * target.config.num_hidden_layers if pool else [])
-        for cache, start, ids, shared in zip(caches, starts[::-1], steps, together, strict=True):
+        for cache, start, ids, shared in zip(caches, starts, steps, together, strict=True):
             assert cache.length == start + ids.shape[1]
             runner.crop(cache, start)
             alone = runner.forward(cache, ids)

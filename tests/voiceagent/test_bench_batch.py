@@ -33,6 +33,17 @@ def test_the_aggregate_rate_is_every_sessions_decoded_tokens_over_the_shared_tim
     assert aggregate_tok_s(5, 0.0) == 0.0
 
 
+def test_the_all_live_rate_counts_only_the_rounds_every_session_decoded_in(engine):
+    prompts = random_prompts(engine.runner.lean.vocab, 3, seed=5)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    got = decode_together(engine, prompts, sampling, "off", shared=True)
+    decoded = [len(out) - 1 for out in got["outputs"]]
+    # without speculation a round gives each live session one token: every session was live
+    # for as many rounds as the shortest reply took
+    assert got["all_live_tokens"] == len(prompts) * min(decoded)
+    assert got["all_live_tok_s"] > 0
+
+
 def test_the_batch_table_runs_each_mode_and_count_and_says_the_outputs_are_identical(engine):
     prompts = random_prompts(engine.runner.lean.vocab, 4, seed=6)
     rows = run_batch(engine, prompts, [1, 2], ["off", "ngram"], 10, say=lambda _: None)
@@ -47,6 +58,7 @@ def test_the_batch_table_runs_each_mode_and_count_and_says_the_outputs_are_ident
                for r in rows)
     table = render(rows, ["# header"])
     assert "| off | 2 |" in table and "**no**" not in table
+    assert all(r["all_live_vs_one_session"] > 0 for r in rows)
 
 
 def test_repeats_take_the_median_of_each_ways_runs(engine):

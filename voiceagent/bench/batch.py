@@ -7,7 +7,10 @@ step per round (`engine.step_many`: every request's rows in one forward where th
 forwards). Each request is prefilled first; the figures are its decode phase:
 
 - aggregate tok/s (`aggregate_tok_s`): every session's tokens after its first, over the wall
-  time from the decode phase's start to the last session's end;
+  time from the decode phase's start to the last session's end (replies of different lengths:
+  the last rounds carry fewer sessions);
+- all live, tok/s: the same over only the rounds in which every session was still decoding,
+  N sessions at once;
 - per-session tok/s: each request's own decode rate (`RequestStats.tokens_per_s`), the median;
 - identical: every session's tokens in the shared run equal its tokens stepped one by one
   (each its own forward, as alone);
@@ -68,17 +71,24 @@ def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
                 engine.step(state)
     first_tokens = [len(s.output_ids) for s in states]
     t0 = time.perf_counter()
+    all_live_s, all_live_tokens = 0.0, 0
     while live := [s for s in states if not s.finished]:
+        before, t_round = sum(len(s.output_ids) for s in live), time.perf_counter()
         results = engine.step_many(live) if shared else [engine.step(s) for s in live]
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             raise failed[0]
+        if len(live) == len(states):
+            all_live_s += time.perf_counter() - t_round
+            all_live_tokens += sum(len(s.output_ids) for s in live) - before
     seconds = time.perf_counter() - t0
     for state in states:
         engine.release(state)
     decoded = sum(len(s.output_ids) - n for s, n in zip(states, first_tokens, strict=True))
     return {
         "aggregate_tok_s": aggregate_tok_s(decoded, seconds),
+        "all_live_tok_s": aggregate_tok_s(all_live_tokens, all_live_s),
+        "all_live_tokens": all_live_tokens,
         "session_tok_s": [s.stats.tokens_per_s for s in states],
         "outputs": [s.output_ids for s in states],
     }
@@ -111,6 +121,7 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
                 "repeats": len(runs),
                 "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _, _ in runs),
                 "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b, _ in runs),
+                "all_live_tok_s": statistics.median(b["all_live_tok_s"] for _, b, _ in runs),
                 "attend_alone_tok_s": statistics.median(c["aggregate_tok_s"] for c in alone)
                 if alone else None,
                 "session_tok_s_p50": statistics.median(per_session) if per_session else None,
@@ -121,6 +132,8 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
     for row in rows:  # against one session of the same mode, measured in this run
         one = next((r for r in rows if r["mode"] == row["mode"] and r["sessions"] == 1), None)
         row["shared_vs_one_session"] = _ratio(row["shared_tok_s"], one and one["shared_tok_s"])
+        row["all_live_vs_one_session"] = _ratio(row["all_live_tok_s"],
+                                                one and one["all_live_tok_s"])
     return rows
 
 
@@ -132,14 +145,16 @@ def render(rows: list[dict], header: list[str]) -> str:
     lines = [*header, "",
              "| mode | sessions | one by one, tok/s | shared forward, attending alone, tok/s "
              "| shared forward, tok/s | shared ÷ one by one "
-             "| shared ÷ 1 session | per-session tok/s p50 | identical |",
-             "| --- | --: | --: | --: | --: | --: | --: | --: | --- |"]
+             "| shared ÷ 1 session | all live, tok/s | all live ÷ 1 session "
+             "| per-session tok/s p50 | identical |",
+             "| --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --- |"]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['sessions']} | {fmt(r['one_by_one_tok_s'], 1)} | "
             f"{fmt(r.get('attend_alone_tok_s'), 1)} | {fmt(r['shared_tok_s'], 1)} | "
             f"{fmt(_ratio(r['shared_tok_s'], r['one_by_one_tok_s']), 2, 'x')} | "
-            f"{fmt(r['shared_vs_one_session'], 2, 'x')} | {fmt(r['session_tok_s_p50'], 1)} | "
+            f"{fmt(r['shared_vs_one_session'], 2, 'x')} | {fmt(r['all_live_tok_s'], 1)} | "
+            f"{fmt(r['all_live_vs_one_session'], 2, 'x')} | {fmt(r['session_tok_s_p50'], 1)} | "
             f"{'yes' if r['identical'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 
