@@ -87,6 +87,9 @@ def _number_tool(pattern: str) -> dict:
     ([DEMO], "my phone number is 48213", "48213", False),  # no tool is asked for
     ([_number_tool("^[0-9]{10}$")], "order 555-123-4567", "5551234567", True),
     ([_number_tool("^[0-9]{3,10}$")], "order 555-123", "555123", False),  # could go on
+    ([_number_tool("^[0-9]{3,10}$")], "order 555-123-4567", "5551234567", True),  # its longest
+    ([_number_tool("^[1-9]{5,8}$")], "order 48213", "48213", False),  # "482131" is taken too
+    ([_number_tool("^[0-9]{4}$")], "order 4111", "4111", False),  # one group: a card goes on
     ([_number_tool("[0-9]{5}")], "order 48213", "48213", False),  # unanchored: longer ones too
 ])
 def test_a_number_is_whole_where_a_triggered_tool_takes_it_and_no_longer_one(

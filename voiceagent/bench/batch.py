@@ -87,7 +87,8 @@ def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
     decoded = sum(len(s.output_ids) - n for s, n in zip(states, first_tokens, strict=True))
     return {
         "aggregate_tok_s": aggregate_tok_s(decoded, seconds),
-        "all_live_tok_s": aggregate_tok_s(all_live_tokens, all_live_s),
+        # None: a session ended at its prefill, so no round had them all
+        "all_live_tok_s": aggregate_tok_s(all_live_tokens, all_live_s) if all_live_s else None,
         "all_live_tokens": all_live_tokens,
         "session_tok_s": [s.stats.tokens_per_s for s in states],
         "outputs": [s.output_ids for s in states],
@@ -121,7 +122,7 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
                 "repeats": len(runs),
                 "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _, _ in runs),
                 "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b, _ in runs),
-                "all_live_tok_s": statistics.median(b["all_live_tok_s"] for _, b, _ in runs),
+                "all_live_tok_s": _median(b["all_live_tok_s"] for _, b, _ in runs),
                 "attend_alone_tok_s": statistics.median(c["aggregate_tok_s"] for c in alone)
                 if alone else None,
                 "session_tok_s_p50": statistics.median(per_session) if per_session else None,
@@ -135,6 +136,11 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
         row["all_live_vs_one_session"] = _ratio(row["all_live_tok_s"],
                                                 one and one["all_live_tok_s"])
     return rows
+
+
+def _median(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -58,7 +58,7 @@ UNFINISHED, UNSURE, FINISHED = "unfinished", "unsure", "finished"
 # Whether the caller's words (first) end on a whole number (second, its digits): a tool takes it
 # (`voiceagent.tools.takes_whole_number`).
 WholeNumber = Callable[[str, str], bool]
-_TRAILING_DIGITS = re.compile(r"(\d[\d\s,-]*?)[.?!]*$")
+_TRAILING_DIGITS = re.compile(r"([0-9][0-9\s,\-\u2013\u2014]*?)[.?!]*$")
 
 
 def ending(text: str, whole_number: WholeNumber | None = None) -> str:
@@ -81,7 +81,7 @@ def ending(text: str, whole_number: WholeNumber | None = None) -> str:
     closed = text[-1] in ".?!"
     if last.isdigit() and len(last) <= 4:
         if whole_number is not None and (digits := _TRAILING_DIGITS.search(text)) and \
-                whole_number(text, re.sub(r"\D", "", digits.group(1))):
+                whole_number(text, re.sub(r"[^0-9]", "", digits.group(1))):
             return FINISHED if closed else UNSURE
         return UNSURE if text[-1] == "?" else UNFINISHED
     if last in CONTINUING:

@@ -118,11 +118,16 @@ GROUP_DIGITS = 4  # a number read out in groups goes on by a group of at most th
 
 def takes_whole_number(tools: Sequence[Tool], words: str, digits: str) -> bool:
     """Whether a tool that the caller's words trigger takes `digits` whole as a string
-    argument: one of its patterns matches them, and none matches them followed by another group
-    of up to GROUP_DIGITS digits (a pattern that takes 3 to 10 digits leaves "555-123" open)."""
+    argument: more digits than one group, which one of its patterns matches, and none matches
+    followed by another group of up to GROUP_DIGITS digits (a pattern that takes 3 to 10 digits
+    leaves "555-123" open). A single short group stays open: it may start a longer number."""
+    more = [d * n for d in "0123456789" for n in range(1, GROUP_DIGITS + 1)]
+
     def whole(pattern: re.Pattern) -> bool:
-        return bool(pattern.search(digits)) and not any(
-            pattern.search(digits + "0" * n) for n in range(1, GROUP_DIGITS + 1))
+        return bool(pattern.search(digits)) and not any(pattern.search(digits + m) for m in more)
+
+    if len(digits) <= GROUP_DIGITS:
+        return False
 
     return any(tool.triggered_by(words) and any(whole(p) for p in tool.patterns)
                for tool in tools)
@@ -187,13 +192,14 @@ def _tool(spec: dict) -> Tool:
 
 
 def _patterns(parameters: dict) -> tuple[re.Pattern, ...]:
-    """The patterns of the top-level string parameters that Python's re reads alike (JSON
-    schema's are ECMA-262; one Python cannot compile is left to the schema's own check)."""
+    """The patterns of the top-level string parameters, compiled by Python's re with ASCII
+    classes (JSON schema's are ECMA-262, whose \\d is 0-9 only); one that Python cannot compile
+    is left to the schema's own check and takes no part in ending a turn."""
     patterns = []
     for spec in parameters.get("properties", {}).values():
         if isinstance(spec, dict) and isinstance(spec.get("pattern"), str):
             try:
-                patterns.append(re.compile(spec["pattern"]))
+                patterns.append(re.compile(spec["pattern"], re.ASCII))
             except re.error:
                 continue
     return tuple(patterns)
