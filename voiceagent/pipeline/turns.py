@@ -241,10 +241,11 @@ class _HoldingUnfinished(_HeardWords):
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         text = " ".join(self._finals)
         end = self._ending(text)
-        if self._hold_s > 0 and self._hold is None and (end != FINISHED or self._asks_cue(text)):
+        if self._hold_s > 0 and self._hold is None and (end != FINISHED or
+                                                         self._asks_cue(text, end)):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
-            if self._asks_cue(text) and not self._utterance_end.ready(text):
+            if self._asks_cue(text, end) and not self._utterance_end.ready(text):
                 await self._prepare_while_deciding()  # the reply need not wait for the score
             self._hold = self.task_manager.create_task(
                 self._held(text, enable_user_speaking_frames), f"{self}::unfinished_hold")
@@ -262,17 +263,16 @@ class _HoldingUnfinished(_HeardWords):
     def _ending(self, text: str) -> str:
         return ending(text, self._whole_number)
 
-    def _asks_cue(self, text: str) -> bool:
-        """Whether the language model's cue decides these words: where the words leave it open
-        (UNSURE), or with `cue_always` where they end finished and were scored (an idle engine
-        at the pause)."""
-        end = self._ending(text)
+    def _asks_cue(self, text: str, end: str) -> bool:
+        """Whether the language model's cue decides these words, which end `end`: where the
+        words leave it open (UNSURE), or with `cue_always` where they end finished and were
+        scored (an idle engine at the pause)."""
         return self._utterance_end is not None and (end == UNSURE or (
             self._cue_always and end == FINISHED and self._utterance_end.asked(text)))
 
     async def _sounds_unfinished(self, text: str) -> bool:
         end = self._ending(text)
-        if not self._asks_cue(text):
+        if not self._asks_cue(text, end):
             return end != FINISHED
         try:  # the score is usually ready; an engine busy for longer must not hold the turn
             return await asyncio.wait_for(self._utterance_end.unfinished(text), SCORE_WAIT_S)

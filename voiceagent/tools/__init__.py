@@ -114,6 +114,7 @@ class Tool:
 
 
 GROUP_DIGITS = 4  # a number read out in groups goes on by a group of at most this many digits
+_NEXT_GROUPS = tuple(d * n for d in "0123456789" for n in range(1, GROUP_DIGITS + 1))
 
 
 def takes_whole_number(tools: Sequence[Tool], words: str, digits: str) -> bool:
@@ -121,13 +122,12 @@ def takes_whole_number(tools: Sequence[Tool], words: str, digits: str) -> bool:
     argument: more digits than one group, which one of its patterns matches, and none matches
     followed by another group of up to GROUP_DIGITS digits (a pattern that takes 3 to 10 digits
     leaves "555-123" open). A single short group stays open: it may start a longer number."""
-    more = [d * n for d in "0123456789" for n in range(1, GROUP_DIGITS + 1)]
-
-    def whole(pattern: re.Pattern) -> bool:
-        return bool(pattern.search(digits)) and not any(pattern.search(digits + m) for m in more)
-
     if len(digits) <= GROUP_DIGITS:
         return False
+
+    def whole(pattern: re.Pattern) -> bool:
+        return bool(pattern.search(digits)) and \
+            not any(pattern.search(digits + more) for more in _NEXT_GROUPS)
 
     return any(tool.triggered_by(words) and any(whole(p) for p in tool.patterns)
                for tool in tools)
