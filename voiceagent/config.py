@@ -135,6 +135,11 @@ class TurnConfig(BaseModel):
     # thinking pause less stop_secs plus the VAD's start_secs (speech resumed is heard that late):
     # 1.0 s keeps a caller's 0.7 s pause one turn. 0: off.
     unfinished_hold_s: float = Field(1.0, ge=0)
+    # vad: a caller who went on after a pause in this turn is waited on this much longer at each
+    # later pause, even where the words end finished: a hesitant caller pauses again, and a comma
+    # pause just past stop_secs would end "What is the capital ... of Spain, [pause] and why" on
+    # "of Spain." Longer than the VAD's start_secs, so speech resumed at the stop is heard. 0: off.
+    resumed_hold_s: float = Field(0.3, ge=0)
     # vad, with the in-process engine: the target's log-probability that the caller's message
     # or its sentence ends there (case and punctuation aside) below this says the words go on.
     # Most finished messages score -0.1 to -6 on the embedded SmolLM2 (a bare "can you help

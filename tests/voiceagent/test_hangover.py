@@ -125,6 +125,21 @@ def test_a_hesitant_caller_whose_fragment_whisper_punctuates_is_one_turn(cfg, sh
     assert "capital" in turn.user_text.lower() and "spain" in turn.user_text.lower()
 
 
+@pytest.mark.parametrize("resumed_hold_s, one_turn", [(HOLD_S, True), (0.0, False)])
+def test_a_hesitant_caller_who_pauses_again_after_a_finished_fragment_is_one_turn(
+        shared, tmp_path, resumed_hold_s, one_turn):
+    """The second pause follows words that sound finished ("What is the capital? of Spain."):
+    only the caller's first pause in this turn keeps it open, for turn.resumed_hold_s."""
+    cfg = load_config(None, [f"paths.runs_dir={tmp_path}", f"vad.stop_secs={STOP_S}",
+                             f"turn.unfinished_hold_s={HOLD_S}", "turn.prepare=true",
+                             f"turn.resumed_hold_s={resumed_hold_s}"])
+    audio = _caller(0.5, "What is the capital", 0.7, "of Spain.", 0.7, "And why is it there?",
+                    HOLD_S + 4.0)
+    turns = asyncio.run(simulate_call(cfg, shared, audio)).turns
+    assert "capital" in turns[0].user_text.lower() and "there" in turns[-1].user_text.lower()
+    assert (len(turns) == 1 and turns[0].early_ends == 0) is one_turn
+
+
 def test_a_caller_who_goes_on_as_the_reply_begins_is_answered_once(shared, tmp_path):
     """No hold: the fragment ends the turn and its reply begins; the caller's next words within
     turn.continue_within_s withdraw it, and the one answer is to the whole sentence."""

@@ -208,19 +208,30 @@ class _HoldingUnfinished(_HeardWords):
     time to score, the language model's `UtteranceEnd` decides where one is given) waits
     `hold_s` more for the caller to go on before it ends, so the VAD's hangover can be short for
     a finished question and still long enough for "and, um" or "What is the capital ... of
-    Spain". Speech in the meantime cancels the hold (the VAD's start resets the strategy)."""
+    Spain". A caller who went on after a pause in this turn is waited on `resumed_hold_s` at
+    each later pause even where the words end finished ("What is the capital ... of Spain, ...
+    and why"): a hesitant caller pauses again, and a comma pause just past the VAD's stop would
+    otherwise end the turn on a finished-sounding fragment. Speech in the meantime cancels the
+    hold (the VAD's start resets the strategy)."""
 
-    def __init__(self, *, hold_s: float = 0.0, utterance_end: UtteranceEnd | None = None,
-                 cue_always: bool = False, whole_number: WholeNumber | None = None, **kwargs):
+    def __init__(self, *, hold_s: float = 0.0, resumed_hold_s: float = 0.0,
+                 utterance_end: UtteranceEnd | None = None, cue_always: bool = False,
+                 whole_number: WholeNumber | None = None, **kwargs):
         super().__init__(**kwargs)
         self._hold_s = hold_s
+        self._resumed_hold_s = resumed_hold_s
+        self._paused = False  # the VAD stopped within this turn
+        self._resumed = False  # and the caller went on after it
         self._whole_number = whole_number  # digits a tool takes whole end the words
         self._hold: asyncio.Task | None = None
         self._utterance_end = utterance_end if hold_s > 0 else None
         self._cue_always = cue_always  # the cue also on words that end finished
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
-        if isinstance(frame, VADUserStartedSpeakingFrame):
+        if isinstance(frame, VADUserStoppedSpeakingFrame):
+            self._paused = True
+        elif isinstance(frame, VADUserStartedSpeakingFrame):
+            self._resumed = self._resumed or self._paused
             if self._hold is not None:  # the caller goes on: what was prepared does not stand
                 await self._stop_hold()
                 await self._withdraw()
@@ -241,12 +252,13 @@ class _HoldingUnfinished(_HeardWords):
     async def trigger_user_turn_stopped(self, *, enable_user_speaking_frames: bool | None = None):
         text = " ".join(self._finals)
         end = self._ending(text)
-        if self._hold_s > 0 and self._hold is None and (end != FINISHED or
-                                                         self._asks_cue(text, end)):
+        deciding = self._hold_s > 0 and (end != FINISHED or self._asks_cue(text, end))
+        resumed = self._resumed and self._resumed_hold_s > 0
+        if self._hold is None and (deciding or resumed):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
-            if self._asks_cue(text, end) and not self._utterance_end.ready(text):
-                await self._prepare_while_deciding()  # the reply need not wait for the score
+            if resumed or (self._asks_cue(text, end) and not self._utterance_end.ready(text)):
+                await self._prepare_while_deciding()  # the reply need not wait for the hold
             self._hold = self.task_manager.create_task(
                 self._held(text, enable_user_speaking_frames), f"{self}::unfinished_hold")
             return
@@ -254,9 +266,13 @@ class _HoldingUnfinished(_HeardWords):
             enable_user_speaking_frames=enable_user_speaking_frames)
 
     async def _held(self, text: str, enable_user_speaking_frames: bool | None) -> None:
-        if await self._sounds_unfinished(text):
+        if self._hold_s > 0 and await self._sounds_unfinished(text):
             logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
             await asyncio.sleep(self._hold_s)
+        elif self._resumed and self._resumed_hold_s > 0:
+            logger.debug(f"{self}: the caller went on after a pause: holding the turn "
+                         f"{self._resumed_hold_s} s")
+            await asyncio.sleep(self._resumed_hold_s)
         await super().trigger_user_turn_stopped(
             enable_user_speaking_frames=enable_user_speaking_frames)
 
@@ -282,12 +298,14 @@ class _HoldingUnfinished(_HeardWords):
 
     async def handle_user_turn_started(self):
         await self._stop_hold()
+        self._paused = self._resumed = False
         await super().handle_user_turn_started()
 
     async def handle_user_turn_stopped(self):
         if self._hold is not asyncio.current_task():  # else the hold is what ends the turn
             await self._stop_hold()
         self._hold = None
+        self._paused = self._resumed = False
         await super().handle_user_turn_stopped()
 
     async def cleanup(self):
@@ -433,6 +451,7 @@ def _stop_strategy(cfg: TurnConfig, smart_turn_session, utterance_end: Utterance
     # and the STT's finalized transcript releases the turn at once, unless its words sound
     # unfinished.
     holding = {"user_speech_timeout": 0, "hold_s": cfg.unfinished_hold_s,
+               "resumed_hold_s": cfg.resumed_hold_s,
                "utterance_end": utterance_end, "cue_always": cfg.unfinished_cue == "always",
                "whole_number": whole_number}
     if cfg.prepare:
