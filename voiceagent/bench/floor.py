@@ -3,7 +3,8 @@ costs alone on this machine, measured after the calls with the same loaded model
 p50 in the calls can be read against it and the remaining gap is visible at a glance.
 
 Alone means one stage at a time, nothing else running:
-- hangover: the configured `vad.stop_secs` (a held turn adds `turn.unfinished_hold_s`);
+- hangover: the configured `vad.stop_secs` (a held turn adds `turn.unfinished_hold_s`, a
+  caller who went on after a pause `turn.resumed_hold_s`);
 - ASR final: one Whisper run (the configured window) on each caller utterance of the script;
 - prefill: the caller's words on top of the call's cached system prompt, as a turn prefills them;
 - first clause: the reply's first token -> its first phrase complete (the TTS's split), with the
