@@ -122,3 +122,23 @@ async def test_a_speech_worker_is_busy_only_while_a_job_runs():
     finally:
         worker.close()
 
+
+
+@pytest.mark.parametrize("which", ["asr_worker", "tts_worker"])
+async def test_the_speech_models_are_busy_while_whisper_or_piper_runs_a_job(models, which):
+    """What the engine steps on fewer threads beside (`EngineWorker.share_cores`)."""
+    started, release = threading.Event(), threading.Event()
+
+    def job() -> None:
+        started.set()
+        release.wait(5)
+
+    assert not models.speech.busy()
+    running = asyncio.ensure_future(getattr(models.speech, which).run(job))
+    try:
+        assert await asyncio.to_thread(started.wait, 5)
+        assert models.speech.busy()
+    finally:
+        release.set()
+        await running
+    assert not models.speech.busy()

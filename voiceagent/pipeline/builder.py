@@ -138,22 +138,24 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
 
 def _share_cores(cfg: Config, worker: EngineWorker, llm: LLMRuntime, speech: SpeechModels,
                  progress: Callable[[str], None]) -> None:
-    """While Whisper transcribes, the engine steps on the thread count measured best beside it
-    (`threads_beside`). On 2 cores, a 2-thread step took 134-160 ms beside Whisper against
-    17-19 alone, and a 1-thread step 34-35 ms against 21-24 (Zen 4): Whisper runs at every
-    pause, just as the prepared reply decodes its first phrase. A measurement that fails costs
-    the calls this speed-up, not the start."""
+    """While Whisper transcribes or Piper synthesises, the engine steps on the thread count
+    measured best beside Whisper (`threads_beside`). On 2 cores, a 2-thread step took 134-160 ms
+    beside Whisper against 17-19 alone, and a 1-thread step 34-35 ms against 21-24 (Zen 4):
+    Whisper runs at every pause, just as the prepared reply decodes its first phrase. Beside
+    Piper, under four callers on an Intel Xeon, three sessions' 2-thread step took 61 ms p50
+    (137 p90) against 37 (81) on the shared count, Piper's own jobs unchanged. A measurement
+    that fails costs the calls this speed-up, not the start."""
     load = recognition_load(cfg, speech)
     try:
         beside = worker.call(
             lambda _: threads_beside(cfg.engine, llm, cfg.paths.cache_dir, load, progress))
     except Exception as exc:
-        logger.warning(f"the engine keeps its threads while Whisper transcribes: {exc}")
+        logger.warning(f"the engine keeps its threads while speech models run: {exc}")
         return
     if beside is not None:
-        worker.share_cores(speech.asr_worker.busy, beside, llm.threads)
-        progress(f"the engine steps on {beside} thread(s) while Whisper transcribes, and on "
-                 f"{llm.threads} otherwise")
+        worker.share_cores(speech.busy, beside, llm.threads)
+        progress(f"the engine steps on {beside} thread(s) while Whisper transcribes or Piper "
+                 f"synthesises, and on {llm.threads} otherwise")
 
 
 def call_prefix(cfg: Config, tokenizer, tools: list) -> list[int]:

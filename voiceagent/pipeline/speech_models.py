@@ -71,6 +71,10 @@ class SpeechModels:
         return cls(whisper, voice, vad, smart_turn, speech_settings(cfg),
                    SpeechWorker("asr-worker"), SpeechWorker("tts-worker"), threads)
 
+    def busy(self) -> bool:
+        """Whether Whisper or Piper is running a job now (safe from any thread)."""
+        return self.asr_worker.busy() or self.tts_worker.busy()
+
     def close(self) -> None:
         self.asr_worker.close()
         self.tts_worker.close()
