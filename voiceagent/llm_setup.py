@@ -193,7 +193,7 @@ def threads_beside(engine_cfg: EngineConfig, runtime: LLMRuntime, cache_dir: str
     from those on the engine's own count, or a drafter whose probabilities a sampled reply
     draws on (draft, eagle) is loaded, whose own logits are not compared. torch's threads are
     left as they were. Call it on the engine's thread (`EngineWorker.call`);
-    `EngineWorker.share_cores` then steps on it while that work runs."""
+    `EngineWorker.share_cores` then steps on it while that work (or speech synthesis) runs."""
     if not runtime.threads or runtime.threads == 1:
         return None
     if runtime.draft is not None or runtime.eagle is not None:

@@ -7,9 +7,16 @@ whatever the machine's speed.
 
 import asyncio
 import functools
+from types import SimpleNamespace
 
 import pytest
-from pipecat.frames.frames import EagerTranscriptionFrame
+from pipecat.frames.frames import (
+    EagerTranscriptionFrame,
+    TranscriptionFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.utils.asyncio.task_manager import TaskManager
 from pipecat.utils.time import time_now_iso8601
 
 from tests.audio.speech import misheard
@@ -85,6 +92,49 @@ def test_an_order_number_a_tool_takes_whole_is_not_held():
     assert asyncio.run(held(None)) and not asyncio.run(held(DEMO_NUMBERS))
 
 
+RESUMED_S = 2.0  # the resumed hold in the strategy's own tests: seconds apart from no hold
+
+
+async def _turn_ends_in(*segments: str, resumed_hold_s: float = RESUMED_S) -> float:
+    """Seconds from the last pause's transcript to the turn's end, the caller having said
+    `segments` with a pause after each ("" a noise that transcribes to nothing); the strategy
+    alone, no cue, frames as the pipeline sends them."""
+    loop = asyncio.get_running_loop()
+    strategy = HoldingSpeechTimeoutStopStrategy(user_speech_timeout=0, hold_s=HOLD_S,
+                                                resumed_hold_s=resumed_hold_s)
+    await strategy.setup(SimpleNamespace(task_manager=TaskManager(loop=loop)))
+    ended = asyncio.Event()
+    strategy.add_event_handler("on_user_turn_stopped", lambda *_: ended.set())
+    await strategy.handle_user_turn_started()
+    try:
+        for words in segments:
+            ended.clear()
+            await strategy.process_frame(VADUserStartedSpeakingFrame())
+            await strategy.process_frame(VADUserStoppedSpeakingFrame(stop_secs=STOP_S))
+            if words:
+                await strategy.process_frame(TranscriptionFrame(
+                    words, "caller", time_now_iso8601(), finalized=True))
+            await asyncio.sleep(0.05)
+        paused = loop.time()
+        await asyncio.wait_for(ended.wait(), HOLD_S + RESUMED_S)
+        return loop.time() - paused
+    finally:
+        await strategy.cleanup()
+
+
+def test_a_caller_who_went_on_after_a_pause_is_held_at_the_next_pause():
+    """"of Spain." ends finished; the caller's pause after "What is the capital of" keeps the
+    turn open turn.resumed_hold_s longer, and without it the turn ends at once."""
+    held = asyncio.run(_turn_ends_in("What is the capital of", "Spain."))
+    assert RESUMED_S * 0.9 <= held < HOLD_S
+    assert asyncio.run(_turn_ends_in("What is the capital of", "Spain.",
+                                     resumed_hold_s=0)) < RESUMED_S / 2
+
+
+def test_a_noise_before_the_words_is_not_a_pause_the_caller_went_on_from():
+    assert asyncio.run(_turn_ends_in("", "What is the capital of Spain?")) < RESUMED_S / 2
+
+
 @pytest.fixture(scope="module")
 def cfg(tmp_path_factory):
     return load_config(None, [f"paths.runs_dir={tmp_path_factory.mktemp('runs')}",
@@ -138,6 +188,8 @@ def test_a_hesitant_caller_who_pauses_again_after_a_finished_fragment_is_one_tur
     turns = asyncio.run(simulate_call(cfg, shared, audio)).turns
     assert "capital" in turns[0].user_text.lower() and "there" in turns[-1].user_text.lower()
     assert (len(turns) == 1 and turns[0].early_ends == 0) is one_turn
+    # split after "of Spain.", not at the pause the cue holds
+    assert len(turns) == 1 or not turns[0].user_text.lower().rstrip(" ?.!").endswith("capital")
 
 
 def test_a_caller_who_goes_on_as_the_reply_begins_is_answered_once(shared, tmp_path):

@@ -6,6 +6,7 @@ import os
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,8 +14,9 @@ from audio.config import ASRConfig
 from audio.loaders import load_whisper, numpy_blas_threads
 from tests.voiceagent.serving import server_config
 from tests.voiceagent.tiny_shared import tiny_shared
+from voiceagent.config import load_config
 from voiceagent.models import resolve
-from voiceagent.pipeline import stt
+from voiceagent.pipeline import builder, stt
 from voiceagent.pipeline.builder import build_call
 from voiceagent.pipeline.speech_models import SpeechModels, _synthesising
 from voiceagent.pipeline.speech_worker import SpeechWorker
@@ -133,7 +135,6 @@ async def test_the_speech_models_are_busy_while_whisper_or_piper_runs_a_job(mode
         started.set()
         release.wait(5)
 
-    assert not models.speech.busy()
     running = asyncio.ensure_future(getattr(models.speech, which).run(job))
     try:
         assert await asyncio.to_thread(started.wait, 5)
@@ -142,3 +143,13 @@ async def test_the_speech_models_are_busy_while_whisper_or_piper_runs_a_job(mode
         release.set()
         await running
     assert not models.speech.busy()
+
+
+def test_the_engine_steps_on_the_shared_count_while_either_speech_model_runs(models, monkeypatch):
+    shared = []
+    worker = SimpleNamespace(call=lambda fn: fn(None),
+                             share_cores=lambda *args: shared.append(args))
+    monkeypatch.setattr(builder, "threads_beside", lambda *_: 1)
+    builder._share_cores(load_config(None), worker, SimpleNamespace(threads=2), models.speech,
+                         print)
+    assert shared == [(models.speech.busy, 1, 2)]

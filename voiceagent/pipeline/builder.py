@@ -97,7 +97,7 @@ def load_shared(cfg: Config, progress: Callable[[str], None] = print,
     benchmark) on its engine thread, so the first call pays for no load, then the other speech
     models; the engine measures its threads beside the speech synthesis (`engine.threads:
     auto`), Whisper runs on the cores it leaves (`asr.cpu_threads: auto`), and the engine then
-    measures the threads it steps on while Whisper transcribes. A remote LLM is
+    measures the threads it steps on while Whisper or Piper runs. A remote LLM is
     checked (it answers, it serves the model) instead of loaded. The configured tools are
     imported first: a bad entry fails here, before any model loads."""
     tools = load_tools(cfg.agent.tools)

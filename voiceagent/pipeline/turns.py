@@ -231,7 +231,8 @@ class _HoldingUnfinished(_HeardWords):
         if isinstance(frame, VADUserStoppedSpeakingFrame):
             self._paused = True
         elif isinstance(frame, VADUserStartedSpeakingFrame):
-            self._resumed = self._resumed or self._paused
+            # went on after words and a pause (a cough or a breath before them is no words)
+            self._resumed = self._resumed or (self._paused and bool(self._finals))
             if self._hold is not None:  # the caller goes on: what was prepared does not stand
                 await self._stop_hold()
                 await self._withdraw()
@@ -257,8 +258,12 @@ class _HoldingUnfinished(_HeardWords):
         if self._hold is None and (deciding or resumed):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
-            if resumed or (self._asks_cue(text, end) and not self._utterance_end.ready(text)):
+            if (resumed and end != UNFINISHED) or \
+                    (self._asks_cue(text, end) and not self._utterance_end.ready(text)):
                 await self._prepare_while_deciding()  # the reply need not wait for the hold
+                if getattr(self, "_vad_user_speaking", False):  # the caller went on meanwhile
+                    await self._withdraw()
+                    return
             self._hold = self.task_manager.create_task(
                 self._held(text, enable_user_speaking_frames), f"{self}::unfinished_hold")
             return
@@ -266,15 +271,23 @@ class _HoldingUnfinished(_HeardWords):
             enable_user_speaking_frames=enable_user_speaking_frames)
 
     async def _held(self, text: str, enable_user_speaking_frames: bool | None) -> None:
-        if self._hold_s > 0 and await self._sounds_unfinished(text):
-            logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
-            await asyncio.sleep(self._hold_s)
-        elif self._resumed and self._resumed_hold_s > 0:
-            logger.debug(f"{self}: the caller went on after a pause: holding the turn "
-                         f"{self._resumed_hold_s} s")
-            await asyncio.sleep(self._resumed_hold_s)
-        await super().trigger_user_turn_stopped(
-            enable_user_speaking_frames=enable_user_speaking_frames)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            if self._hold_s > 0 and await self._sounds_unfinished(text):
+                logger.debug(f"{self}: the words sound unfinished: holding the turn "
+                             f"{self._hold_s} s")
+                await asyncio.sleep(self._hold_s)
+            elif self._resumed and self._resumed_hold_s > 0:
+                logger.debug(f"{self}: the caller went on after a pause: holding the turn "
+                             f"{self._resumed_hold_s} s")
+                # the score's wait counts towards it
+                await asyncio.sleep(max(0.0, self._resumed_hold_s - (loop.time() - started)))
+            await super().trigger_user_turn_stopped(
+                enable_user_speaking_frames=enable_user_speaking_frames)
+        finally:
+            if self._hold is asyncio.current_task():  # a stop refused leaves no hold behind
+                self._hold = None
 
     def _ending(self, text: str) -> str:
         return ending(text, self._whole_number)
