@@ -220,19 +220,15 @@ class _HoldingUnfinished(_HeardWords):
         super().__init__(**kwargs)
         self._hold_s = hold_s
         self._resumed_hold_s = resumed_hold_s
-        self._paused = False  # the VAD stopped within this turn
-        self._resumed = False  # and the caller went on after it
+        self._starts = 0  # the VAD's starts heard: speech resumed while a decision is awaited
         self._whole_number = whole_number  # digits a tool takes whole end the words
         self._hold: asyncio.Task | None = None
         self._utterance_end = utterance_end if hold_s > 0 else None
         self._cue_always = cue_always  # the cue also on words that end finished
 
     async def process_frame(self, frame: Frame) -> ProcessFrameResult:
-        if isinstance(frame, VADUserStoppedSpeakingFrame):
-            self._paused = True
-        elif isinstance(frame, VADUserStartedSpeakingFrame):
-            # went on after words and a pause (a cough or a breath before them is no words)
-            self._resumed = self._resumed or (self._paused and bool(self._finals))
+        if isinstance(frame, VADUserStartedSpeakingFrame):
+            self._starts += 1
             if self._hold is not None:  # the caller goes on: what was prepared does not stand
                 await self._stop_hold()
                 await self._withdraw()
@@ -255,13 +251,14 @@ class _HoldingUnfinished(_HeardWords):
         end = self._ending(text)
         deciding = self._hold_s > 0 and (end != FINISHED or self._asks_cue(text, end))
         resumed = self._resumed and self._resumed_hold_s > 0
+        starts = self._starts
         if self._hold is None and (deciding or resumed):
             # Decided in a task that is the hold from now on, so that speech resumed while the
             # score is awaited cancels the decision like the hold itself.
             if (resumed and end != UNFINISHED) or \
                     (self._asks_cue(text, end) and not self._utterance_end.ready(text)):
                 await self._prepare_while_deciding()  # the reply need not wait for the hold
-                if getattr(self, "_vad_user_speaking", False):  # the caller went on meanwhile
+                if self._starts != starts:  # the caller went on meanwhile
                     await self._withdraw()
                     return
             self._hold = self.task_manager.create_task(
@@ -270,24 +267,29 @@ class _HoldingUnfinished(_HeardWords):
         await super().trigger_user_turn_stopped(
             enable_user_speaking_frames=enable_user_speaking_frames)
 
+    @property
+    def _resumed(self) -> bool:
+        """Whether the caller went on after words and a pause in this turn: its words came in
+        two segments or more (one final a segment; a noise that transcribes to nothing, none)."""
+        return len(self._finals) >= 2
+
     async def _held(self, text: str, enable_user_speaking_frames: bool | None) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        try:
-            if self._hold_s > 0 and await self._sounds_unfinished(text):
-                logger.debug(f"{self}: the words sound unfinished: holding the turn "
-                             f"{self._hold_s} s")
-                await asyncio.sleep(self._hold_s)
-            elif self._resumed and self._resumed_hold_s > 0:
-                logger.debug(f"{self}: the caller went on after a pause: holding the turn "
-                             f"{self._resumed_hold_s} s")
-                # the score's wait counts towards it
-                await asyncio.sleep(max(0.0, self._resumed_hold_s - (loop.time() - started)))
-            await super().trigger_user_turn_stopped(
-                enable_user_speaking_frames=enable_user_speaking_frames)
-        finally:
-            if self._hold is asyncio.current_task():  # a stop refused leaves no hold behind
-                self._hold = None
+        if self._hold_s > 0 and await self._sounds_unfinished(text):
+            logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
+            await asyncio.sleep(self._hold_s)
+        elif self._resumed and self._resumed_hold_s > 0:
+            logger.debug(f"{self}: the caller went on after a pause: holding the turn "
+                         f"{self._resumed_hold_s} s")
+            # the score's wait counts towards it
+            await asyncio.sleep(max(0.0, self._resumed_hold_s - (loop.time() - started)))
+        # Held no more: the stop is not cancelled halfway by speech (the controller refuses a
+        # stop while the caller speaks), and a refused one leaves no hold behind.
+        if self._hold is asyncio.current_task():
+            self._hold = None
+        await super().trigger_user_turn_stopped(
+            enable_user_speaking_frames=enable_user_speaking_frames)
 
     def _ending(self, text: str) -> str:
         return ending(text, self._whole_number)
@@ -311,14 +313,12 @@ class _HoldingUnfinished(_HeardWords):
 
     async def handle_user_turn_started(self):
         await self._stop_hold()
-        self._paused = self._resumed = False
         await super().handle_user_turn_started()
 
     async def handle_user_turn_stopped(self):
         if self._hold is not asyncio.current_task():  # else the hold is what ends the turn
             await self._stop_hold()
         self._hold = None
-        self._paused = self._resumed = False
         await super().handle_user_turn_stopped()
 
     async def cleanup(self):
