@@ -125,7 +125,6 @@ async def test_a_speech_worker_is_busy_only_while_a_job_runs():
         worker.close()
 
 
-
 @pytest.mark.parametrize("which", ["asr_worker", "tts_worker"])
 async def test_the_speech_models_are_busy_while_whisper_or_piper_runs_a_job(models, which):
     """What the engine steps on fewer threads beside (`EngineWorker.share_cores`)."""

@@ -250,7 +250,7 @@ class _HoldingUnfinished(_HeardWords):
         text = " ".join(self._finals)
         end = self._ending(text)
         deciding = self._hold_s > 0 and (end != FINISHED or self._asks_cue(text, end))
-        resumed = self._resumed and self._resumed_hold_s > 0
+        resumed = self._resumed_wait > 0
         starts = self._starts
         if self._hold is None and (deciding or resumed):
             # Decided in a task that is the hold from now on, so that speech resumed while the
@@ -268,10 +268,10 @@ class _HoldingUnfinished(_HeardWords):
             enable_user_speaking_frames=enable_user_speaking_frames)
 
     @property
-    def _resumed(self) -> bool:
-        """Whether the caller went on after words and a pause in this turn: its words came in
-        two segments or more (one final a segment; a noise that transcribes to nothing, none)."""
-        return len(self._finals) >= 2
+    def _resumed_wait(self) -> float:
+        """`resumed_hold_s` where the caller went on after words and a pause in this turn (its
+        words came in two segments or more: one final a segment, none for a noise), else 0."""
+        return self._resumed_hold_s if len(self._finals) >= 2 else 0.0
 
     async def _held(self, text: str, enable_user_speaking_frames: bool | None) -> None:
         loop = asyncio.get_running_loop()
@@ -279,11 +279,10 @@ class _HoldingUnfinished(_HeardWords):
         if self._hold_s > 0 and await self._sounds_unfinished(text):
             logger.debug(f"{self}: the words sound unfinished: holding the turn {self._hold_s} s")
             await asyncio.sleep(self._hold_s)
-        elif self._resumed and self._resumed_hold_s > 0:
-            logger.debug(f"{self}: the caller went on after a pause: holding the turn "
-                         f"{self._resumed_hold_s} s")
+        elif wait := self._resumed_wait:
+            logger.debug(f"{self}: the caller went on after a pause: holding the turn {wait} s")
             # the score's wait counts towards it
-            await asyncio.sleep(max(0.0, self._resumed_hold_s - (loop.time() - started)))
+            await asyncio.sleep(max(0.0, wait - (loop.time() - started)))
         # Held no more: the stop is not cancelled halfway by speech (the controller refuses a
         # stop while the caller speaks), and a refused one leaves no hold behind.
         if self._hold is asyncio.current_task():
