@@ -195,10 +195,15 @@ class _Run:
     parts: list[_Part]  # in slot order
     width: int  # query rows per part
     keys: int
-    queries: torch.Tensor  # [slots * width] the forward's row each padded query row takes
-    outputs: torch.Tensor  # [rows] each part row's place among the padded rows
+    # [slots * width] the forward's row each padded query row takes; None: the forward's rows as
+    # they are (every part `width` rows, in slot order, the forward's only parts)
+    queries: torch.Tensor | None
+    outputs: torch.Tensor | None  # [rows] each part row's place among the padded rows; None: all
     rows: torch.Tensor  # [rows] where those rows go in the forward
-    bias: torch.Tensor  # [slots, 1, width * groups, keys], the same for every key head
+    # [rows * kv_heads] each row's key (and value) place, per key head, in a layer's keys of the
+    # pool, [slots * kv_heads * max_len] rows of head_dim: all the run's written in one copy
+    writes: torch.Tensor
+    bias: torch.Tensor  # [slots * kv_heads, width * groups, keys], the same for every key head
 
 
 class _Layer(nn.Module):
@@ -360,7 +365,7 @@ class LeanLlama(nn.Module):
             offsets.append(offsets[-1] + n)
         plans = [self._plan(cache, start, slice(offsets[j], offsets[j + 1]), x.device)
                  for j, (cache, start, _) in enumerate(parts)]
-        runs = self._runs(plans) if self.batch_attention and len(plans) > 1 else []
+        runs = self._runs(plans, offsets[-1]) if self.batch_attention and len(plans) > 1 else []
         alone = [plan for plan in plans if not any(plan is p for run in runs for p in run.parts)]
         positions = plans[0].positions if len(plans) == 1 else \
             torch.cat([plan.positions for plan in plans])
@@ -378,6 +383,8 @@ class LeanLlama(nn.Module):
             elif not runs:
                 attn = torch.cat([self._attend(i, plan, q[plan.rows], k[plan.rows], v[plan.rows])
                                   for plan in plans])
+            elif runs[0].queries is None:  # one run holds every row, in order
+                attn = self._attend_run(i, runs[0], q, k, v)
             else:
                 attn = q.new_empty(rows, q_width)
                 for plan in alone:
@@ -414,7 +421,7 @@ class LeanLlama(nn.Module):
         return torch.zeros(visible.shape, device=visible.device).masked_fill_(
             ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
 
-    def _runs(self, plans: list[_Part]) -> list[_Run]:
+    def _runs(self, plans: list[_Part], rows: int) -> list[_Run]:
         """The forward's short parts in consecutive slots of the pool, two or more to a run."""
         pooled = sorted((p for p in plans if p.cache.pool is self.pool and p.bias is not None),
                         key=lambda p: p.cache.slot)
@@ -424,47 +431,55 @@ class LeanLlama(nn.Module):
                 groups[-1].append(part)
             else:
                 groups.append([part])
-        return [self._run(group) for group in groups if len(group) > 1]
+        return [self._run(group, rows) for group in groups if len(group) > 1]
 
-    def _run(self, parts: list[_Part]) -> _Run:
+    def _run(self, parts: list[_Part], forward_rows: int) -> _Run:
         """A run's padded queries, where its rows go, and its mask over the longest part's keys:
         a part's padded rows repeat its last row, as alone (`_plan`)."""
         width = max(max(p.n for p in parts), self.attention_rows)
         keys = max(p.k_seen.shape[2] for p in parts)
         device = parts[0].positions.device
-        queries, outputs, rows, masks = [], [], [], []
+        first, max_len = parts[0].cache.slot, self.pool.max_len
+        queries, outputs, rows, writes, masks = [], [], [], [], []
         for j, part in enumerate(parts):
             start, n = part.rows.start, part.n
             queries += [start + min(r, n - 1) for r in range(width)]
             outputs += [j * width + r for r in range(n)]
             rows += range(start, start + n)
+            writes += [((part.cache.slot - first) * self.kv_heads + h) * max_len + p
+                       for p in part.positions.tolist() for h in range(self.kv_heads)]
             masks.append(self._mask(
                 torch.arange(keys, device=device)[None, :] <= part.positions[:, None], width))
         index = lambda values: torch.tensor(values, device=device)  # noqa: E731
-        return _Run(parts, width, keys, index(queries), index(outputs), index(rows),
-                    torch.stack(masks)[:, None])
+        as_they_are = queries == outputs == list(range(forward_rows))
+        bias = torch.stack(masks)[:, None].expand(-1, self.kv_heads, -1, -1)
+        return _Run(parts, width, keys, None if as_they_are else index(queries),
+                    None if as_they_are else index(outputs), index(rows), index(writes),
+                    bias.flatten(0, 1).contiguous())
 
     def _attend_run(self, i: int, run: _Run, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> torch.Tensor:
         """Layer i's attention for a run of parts in one product over their slots, each part's
         query rows and keys as `_attend_rows` has them alone (the masked keys past a part's own
         add exact zeros). Returns the run's rows [rows, heads * dim], in `run.rows` order."""
-        for part in run.parts:
-            part.k_new[i].copy_(k[part.rows].transpose(0, 1))
-            part.v_new[i].copy_(v[part.rows].transpose(0, 1))
         slots, groups, dim = len(run.parts), self.heads // self.kv_heads, self.head_dim
         first = run.parts[0].cache.slot
+        # every part's new keys and values in one copy each (a copy per part cost 4x as much)
+        for new, pool in ((k, self.pool.k), (v, self.pool.v)):
+            rows = new if run.queries is None else new.index_select(0, run.rows)
+            pool[i, first:first + slots].view(-1, dim).index_copy_(
+                0, run.writes, rows.to(pool.dtype).reshape(-1, dim))
         # [slots, kv_heads, keys, dim] as [slots * kv_heads, keys, dim]: a view, no copy
         keys = self.pool.k[i, first:first + slots, :, :run.keys].flatten(0, 1)
         values = self.pool.v[i, first:first + slots, :, :run.keys].flatten(0, 1)
-        grouped = q.index_select(0, run.queries).view(slots, run.width, self.kv_heads, groups, dim)
-        grouped = grouped.permute(0, 2, 1, 3, 4).reshape(slots * self.kv_heads, -1, dim)
-        scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * dim ** -0.5
-        scores = scores.view(slots, self.kv_heads, *scores.shape[1:]) + run.bias
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).flatten(0, 1)
+        grouped = q if run.queries is None else q.index_select(0, run.queries)
+        grouped = grouped.view(slots, run.width, self.kv_heads, groups, dim) \
+            .permute(0, 2, 1, 3, 4).reshape(slots * self.kv_heads, -1, dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).float().mul_(dim ** -0.5)
+        probs = torch.softmax(scores.add_(run.bias), dim=-1).to(q.dtype)
         out = torch.bmm(probs, values).view(slots, self.kv_heads, run.width, groups, dim)
         out = out.permute(0, 2, 1, 3, 4).reshape(slots * run.width, self.heads * dim)
-        return out.index_select(0, run.outputs)
+        return out if run.outputs is None else out.index_select(0, run.outputs)
 
     def _attend(self, i: int, part: _Part, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> torch.Tensor:
@@ -491,8 +506,8 @@ class LeanLlama(nn.Module):
         n, groups = q.shape[0], self.heads // self.kv_heads
         grouped = q.view(n, self.kv_heads, groups, self.head_dim).permute(1, 0, 2, 3)
         scores = torch.bmm(grouped.reshape(self.kv_heads, n * groups, self.head_dim),
-                           keys.transpose(1, 2)).float() * self.head_dim ** -0.5
-        probs = torch.softmax(scores + bias, dim=-1).to(q.dtype)
+                           keys.transpose(1, 2)).float().mul_(self.head_dim ** -0.5)
+        probs = torch.softmax(scores.add_(bias), dim=-1).to(q.dtype)
         out = torch.bmm(probs, values)  # [kv_heads, n * groups, dim]
         return out.view(self.kv_heads, n, groups, self.head_dim).permute(1, 0, 2, 3) \
             .reshape(n, self.heads * self.head_dim)

@@ -98,6 +98,28 @@ def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, 
             assert torch.equal(shared.hidden, alone.hidden)
 
 
+@pytest.mark.parametrize("fmt", LEAN_FORMATS)
+def test_decode_rows_in_slot_order_attend_as_they_come_and_keep_their_logits(target, fmt):
+    """One row a request, in slot order, the run holding every row: the shortcut that skips the
+    run's row gathers and writes every cache's keys in one copy gives each row its logits alone."""
+    runner = pooled(target, fmt)
+    runs = []
+    attend_run = runner.lean._attend_run
+    runner.lean._attend_run = lambda i, run, *a: runs.append(run.queries) or attend_run(i, run, *a)
+    prompts = random_prompts(target.config.vocab_size, SLOTS, seed=23)
+    with torch.inference_mode():
+        caches = [runner.new_cache() for _ in prompts]
+        for j, (cache, prompt) in enumerate(zip(caches, prompts, strict=True)):
+            runner.forward(cache, torch.tensor([(prompt * 8)[:30 + 17 * j]]))  # across key blocks
+        starts = [c.length for c in caches]
+        steps = [torch.tensor([prompt[-1:]]) for prompt in prompts]
+        together = runner.forward_many(list(zip(caches, steps, strict=True)))
+        assert runs and all(queries is None for queries in runs)
+        for cache, start, ids, shared in zip(caches, starts, steps, together, strict=True):
+            runner.crop(cache, start)
+            assert torch.equal(shared.logits, runner.forward(cache, ids).logits)
+
+
 def test_requests_past_the_pool_get_their_own_cache_and_attend_alone(target):
     runner = pooled(target)
     runs: list[int] = []
