@@ -172,19 +172,25 @@ class _Part:
 
     cache: LeanCache
     rows: slice  # its rows in the forward
+    start: int  # its first row's position
     positions: torch.Tensor  # [n]
     visible: torch.Tensor  # [n, keys] bool
     pad: int  # its queries padded by this many rows (`attention_rows`)
-    bias: torch.Tensor | None  # the short path's additive mask; None: SDPA (prefill)
     # every layer's cache slots for its rows, and the keys and values it attends over
     k_new: torch.Tensor  # [layers, kv_heads, n, dim]
     v_new: torch.Tensor
     k_seen: torch.Tensor  # [layers, kv_heads, keys, dim]
     v_seen: torch.Tensor
+    bias: torch.Tensor | None = None  # a short part's additive mask when it attends alone
 
     @property
     def n(self) -> int:
         return self.rows.stop - self.rows.start
+
+    @property
+    def short(self) -> bool:
+        """Attended over with `_attend_rows` (else SDPA: prefill)."""
+        return self.n <= ROWS
 
 
 @dataclass
@@ -367,6 +373,9 @@ class LeanLlama(nn.Module):
                  for j, (cache, start, _) in enumerate(parts)]
         runs = self._runs(plans, offsets[-1]) if self.batch_attention and len(plans) > 1 else []
         alone = [plan for plan in plans if not any(plan is p for run in runs for p in run.parts)]
+        for plan in alone:
+            if plan.short:
+                plan.bias = self._mask(plan.visible, plan.n + plan.pad)
         positions = plans[0].positions if len(plans) == 1 else \
             torch.cat([plan.positions for plan in plans])
         cos, sin = self.rope(positions)
@@ -399,17 +408,16 @@ class LeanLlama(nn.Module):
 
     def _plan(self, cache: LeanCache, start: int, rows: slice, device: torch.device) -> _Part:
         """What a part's attention needs in every layer: its positions, the keys it attends
-        over, and for a short part its additive mask, its queries padded (`attention_rows`)."""
+        over, and for a short part its queries padded (`attention_rows`)."""
         n = rows.stop - rows.start
         positions = torch.arange(start, start + n, device=device)
         short = n <= ROWS
         keys = whole_key_blocks(start + n) if short else start + n
         visible = torch.arange(keys, device=device)[None, :] <= positions[:, None]
         pad = max(self.attention_rows - n, 0) if short else 0  # queries padded to a least count
-        bias = self._mask(visible, n + pad) if short else None
         if cache.pool is not None:
             cache.pool.wrote(cache.slot, start + n)
-        return _Part(cache, rows, positions, visible, pad, bias,
+        return _Part(cache, rows, start, positions, visible, pad,
                      cache.k[:, :, start:start + n], cache.v[:, :, start:start + n],
                      cache.k[:, :, :keys], cache.v[:, :, :keys])
 
@@ -423,7 +431,7 @@ class LeanLlama(nn.Module):
 
     def _runs(self, plans: list[_Part], rows: int) -> list[_Run]:
         """The forward's short parts in consecutive slots of the pool, two or more to a run."""
-        pooled = sorted((p for p in plans if p.cache.pool is self.pool and p.bias is not None),
+        pooled = sorted((p for p in plans if p.cache.pool is self.pool and p.short),
                         key=lambda p: p.cache.slot)
         groups: list[list[_Part]] = []
         for part in pooled:
@@ -440,22 +448,24 @@ class LeanLlama(nn.Module):
         keys = max(p.k_seen.shape[2] for p in parts)
         device = parts[0].positions.device
         first, max_len = parts[0].cache.slot, self.pool.max_len
-        queries, outputs, rows, writes, masks = [], [], [], [], []
+        queries, outputs, rows, writes, positions = [], [], [], [], []
         for j, part in enumerate(parts):
             start, n = part.rows.start, part.n
             queries += [start + min(r, n - 1) for r in range(width)]
             outputs += [j * width + r for r in range(n)]
             rows += range(start, start + n)
             writes += [((part.cache.slot - first) * self.kv_heads + h) * max_len + p
-                       for p in part.positions.tolist() for h in range(self.kv_heads)]
-            masks.append(self._mask(
-                torch.arange(keys, device=device)[None, :] <= part.positions[:, None], width))
+                       for p in range(part.start, part.start + n) for h in range(self.kv_heads)]
+            positions.append([part.start + min(r, n - 1) for r in range(width)])
         index = lambda values: torch.tensor(values, device=device)  # noqa: E731
         as_they_are = queries == outputs == list(range(forward_rows))
-        bias = torch.stack(masks)[:, None].expand(-1, self.kv_heads, -1, -1)
+        # every part's mask as `_mask` has it alone (padded rows repeat the last), per key head
+        visible = torch.arange(keys, device=device) <= index(positions)[..., None]
+        bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+        bias = bias.repeat_interleave(self.heads // self.kv_heads, dim=1)[:, None]
         return _Run(parts, width, keys, None if as_they_are else index(queries),
                     None if as_they_are else index(outputs), index(rows), index(writes),
-                    bias.flatten(0, 1).contiguous())
+                    bias.expand(-1, self.kv_heads, -1, -1).flatten(0, 1).contiguous())
 
     def _attend_run(self, i: int, run: _Run, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> torch.Tensor:
@@ -489,7 +499,7 @@ class LeanLlama(nn.Module):
         part.k_new[i].copy_(k.transpose(0, 1))
         part.v_new[i].copy_(v.transpose(0, 1))
         keys, values = part.k_seen[i], part.v_seen[i]
-        if part.bias is None:
+        if not part.short:
             return nn.functional.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys[None], values[None], attn_mask=part.visible,
                 enable_gqa=self.heads != self.kv_heads)[0].transpose(0, 1).reshape(n, -1)
