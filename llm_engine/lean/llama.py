@@ -206,10 +206,10 @@ class _Run:
     queries: torch.Tensor | None
     outputs: torch.Tensor | None  # [rows] each part row's place among the padded rows; None: all
     rows: torch.Tensor  # [rows] where those rows go in the forward
-    # [rows * kv_heads] each row's key (and value) place, per key head, in a layer's keys of the
-    # pool, [slots * kv_heads * max_len] rows of head_dim: all the run's written in one copy
+    # [rows * kv_heads] each row's key (and value) place, per key head, among a layer's keys of
+    # the run's slots seen as [slots * kv_heads * max_len] rows of head_dim: one copy writes all
     writes: torch.Tensor
-    bias: torch.Tensor  # [slots * kv_heads, width * groups, keys], the same for every key head
+    bias: torch.Tensor  # [slots, 1, width * groups, keys], the same for every key head
 
 
 class _Layer(nn.Module):
@@ -360,9 +360,10 @@ class LeanLlama(nn.Module):
     def run_many(self, x: torch.Tensor, parts: list[tuple[LeanCache, int, int]]) -> torch.Tensor:
         """Several sequences in one forward: x [sum n, hidden] holds, in order, the rows of each
         part (cache, start, n). The projections and the MLP run once over every row; each part
-        writes its own cache and attends over it alone, padded as it would be alone, so a part's
-        rows come out as they would alone wherever the kernels are row-invariant (the runner's
-        probe). A part longer than `ROWS` (prefill) runs only alone."""
+        writes its own cache and attends over its own keys, padded as it would be alone (parts in
+        consecutive pool slots in one product, `_attend_run`), so a part's rows come out as they
+        would alone wherever the kernels are row-invariant (the runner's probes). A part longer
+        than `ROWS` (prefill) runs only alone."""
         x = x.to(self.dtype)
         if len(parts) > 1 and any(n > ROWS for _, _, n in parts):
             raise ValueError(f"only forwards of at most {ROWS} rows share a forward")
@@ -443,7 +444,7 @@ class LeanLlama(nn.Module):
 
     def _run(self, parts: list[_Part], forward_rows: int) -> _Run:
         """A run's padded queries, where its rows go, and its mask over the longest part's keys:
-        a part's padded rows repeat its last row, as alone (`_plan`)."""
+        a part's padded rows repeat its last row, as alone (`_attend`, `_mask`)."""
         width = max(max(p.n for p in parts), self.attention_rows)
         keys = max(p.k_seen.shape[2] for p in parts)
         device = parts[0].positions.device
@@ -458,14 +459,13 @@ class LeanLlama(nn.Module):
                        for p in range(part.start, part.start + n) for h in range(self.kv_heads)]
             positions.append([part.start + min(r, n - 1) for r in range(width)])
         index = lambda values: torch.tensor(values, device=device)  # noqa: E731
-        as_they_are = queries == outputs == list(range(forward_rows))
+        as_they_are = queries == list(range(forward_rows))  # then outputs are too
         # every part's mask as `_mask` has it alone (padded rows repeat the last), per key head
         visible = torch.arange(keys, device=device) <= index(positions)[..., None]
         bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
         bias = bias.repeat_interleave(self.heads // self.kv_heads, dim=1)[:, None]
         return _Run(parts, width, keys, None if as_they_are else index(queries),
-                    None if as_they_are else index(outputs), index(rows), index(writes),
-                    bias.expand(-1, self.kv_heads, -1, -1).flatten(0, 1).contiguous())
+                    None if as_they_are else index(outputs), index(rows), index(writes), bias)
 
     def _attend_run(self, i: int, run: _Run, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> torch.Tensor:
@@ -486,7 +486,8 @@ class LeanLlama(nn.Module):
         grouped = grouped.view(slots, run.width, self.kv_heads, groups, dim) \
             .permute(0, 2, 1, 3, 4).reshape(slots * self.kv_heads, -1, dim)
         scores = torch.bmm(grouped, keys.transpose(1, 2)).float().mul_(dim ** -0.5)
-        probs = torch.softmax(scores.add_(run.bias), dim=-1).to(q.dtype)
+        scores = scores.view(slots, self.kv_heads, *scores.shape[1:]).add_(run.bias)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).flatten(0, 1)
         out = torch.bmm(probs, values).view(slots, self.kv_heads, run.width, groups, dim)
         out = out.permute(0, 2, 1, 3, 4).reshape(slots * run.width, self.heads * dim)
         return out if run.outputs is None else out.index_select(0, run.outputs)
