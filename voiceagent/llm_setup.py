@@ -302,7 +302,7 @@ def make_runner(engine_cfg: EngineConfig, target: LoadedModel, fmt: str,
         slots = engine_cfg.kv_pool_slots if engine_cfg.shared_forwards else 0
         key = {**cost_model.machine_key(next(model.parameters()).device), "part": "invariance",
                "target": cost_model.model_key(model), "file": target.file_sha256, "format": fmt,
-               "attention": str(attention), "max_rows": max_rows, "probes": 2,
+               "attention": str(attention), "max_rows": max_rows, "probes": 3,
                "pool_slots": slots, "max_context": engine_cfg.max_context,
                "lean": lean_llama.REVISION}
         probed = measurements.load_record(key) if measurements else None

@@ -200,7 +200,8 @@ def probe_shared(runner: LeanRunner) -> bool:
     """Whether the parts of a shared forward give each part's logits alone, bit for bit, over
     every slot of the pool at once (the most a run holds), over the first two (the least), and out
     of slot order: caches of 20 positions up to the longest a cache takes, with 1 to 3 rows
-    each, as many rows as a forward shares."""
+    each, as many rows as a forward shares; and with one row each in slot order (a decode step,
+    which a run takes as its rows come)."""
     pool = runner.lean.pool
     parts = min(pool.slots, runner.shared_rows)
     caches = [runner.new_cache() for _ in range(parts)]
@@ -227,4 +228,11 @@ def probe_shared(runner: LeanRunner) -> bool:
         if not all(torch.equal(out.logits, alone[j])
                    for j, out in zip(order, together, strict=True)):
             return False
-    return True
+    one_row = [ids[j][:, lengths[j]:lengths[j] + 1] for j in range(parts)]
+    alone = []
+    for cache, n, row in zip(caches, lengths, one_row, strict=True):
+        runner.crop(cache, n)
+        alone.append(runner.forward(cache, row).logits)
+        runner.crop(cache, n)
+    together = runner.forward_many(list(zip(caches, one_row, strict=True)))
+    return all(torch.equal(out.logits, logits) for out, logits in zip(together, alone, strict=True))

@@ -153,6 +153,19 @@ def test_the_probe_turns_the_one_product_off_where_it_changes_a_row(target):
     assert not probe_shared(runner)
 
 
+def test_the_probe_checks_decode_rows_that_a_run_takes_as_they_come(target):
+    runner = pooled(target)
+    if runner.lean.attention_rows > 1:
+        pytest.skip(f"queries padded to {runner.lean.attention_rows} rows on {cpu_model()}")
+    attend_run = runner.lean._attend_run
+
+    def off_as_they_come(i, run, *args):  # one rounding off in the shortcut alone
+        out = attend_run(i, run, *args)
+        return out * (1 + 2 ** -7) if run.queries is None else out
+    runner.lean._attend_run = off_as_they_come
+    assert not probe_shared(runner)
+
+
 def test_a_dropped_cache_gives_its_slot_back_zeroed(target):
     runner = pooled(target)
     pool = runner.lean.pool
