@@ -427,8 +427,13 @@ class LeanLlama(nn.Module):
         padded queries), one row per (query, head) of a key head: [rows * groups, keys]."""
         if rows > visible.shape[0]:
             visible = torch.cat([visible, visible[-1:].expand(rows - visible.shape[0], -1)])
+        return self._additive(visible)
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """visible [..., rows, keys] as an additive mask, each row repeated for the query heads
+        of a key head: [..., rows * groups, keys]."""
         return torch.zeros(visible.shape, device=visible.device).masked_fill_(
-            ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=0)
+            ~visible, float("-inf")).repeat_interleave(self.heads // self.kv_heads, dim=-2)
 
     def _runs(self, plans: list[_Part], rows: int) -> list[_Run]:
         """The forward's short parts in consecutive slots of the pool, two or more to a run."""
@@ -462,10 +467,9 @@ class LeanLlama(nn.Module):
         as_they_are = queries == list(range(forward_rows))  # then outputs are too
         # every part's mask as `_mask` has it alone (padded rows repeat the last), per key head
         visible = torch.arange(keys, device=device) <= index(positions)[..., None]
-        bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-        bias = bias.repeat_interleave(self.heads // self.kv_heads, dim=1)[:, None]
         return _Run(parts, width, keys, None if as_they_are else index(queries),
-                    None if as_they_are else index(outputs), index(rows), index(writes), bias)
+                    None if as_they_are else index(outputs), index(rows), index(writes),
+                    self._additive(visible)[:, None])
 
     def _attend_run(self, i: int, run: _Run, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> torch.Tensor:
