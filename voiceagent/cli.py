@@ -209,6 +209,9 @@ def _bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-shared-forwards", action="store_true",
                    help="--knee: each method with one engine forward per call in turn and with "
                    "every call's rows in one shared forward (engine.shared_forwards), side by side")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="--knee: passes over every level, the methods alternating; each level's "
+                   "turns pooled (default: 1)")
     p.add_argument("--soak", type=int, default=20,
                    help="calls in a row for the memory figure (default: 20)")
     _bench_out(p)

@@ -14,9 +14,9 @@ from voiceagent.bench.knee import knee_of, level, render_knee, variants
 
 def _level(n: int, within: int, refused: int = 0, failed: int = 0) -> dict:
     admitted = n - refused
-    return {"method": "ngram", "callers": n, "admitted": admitted, "refused": refused,
-            "failed": failed, "within": within, "clock3_p50_ms": 1.0, "clock3_p95_ms": 1.0,
-            "itl_p95_ms": 1.0}
+    return {"method": "ngram", "callers": n, "admitted": admitted, "served": admitted,
+            "refused": refused, "failed": failed, "within": within, "clock3_p50_ms": 1.0,
+            "clock3_p95_ms": 1.0, "itl_p95_ms": 1.0}
 
 
 def test_the_knee_is_the_most_calls_served_at_once_within_the_threshold():
@@ -34,6 +34,21 @@ def test_a_level_counts_a_conversation_within_only_if_every_turn_is():
     assert "| off | 3 | 2 | 1 | 0 |" in render_knee(
         {"threshold_ms": 1500.0, "max_calls": 2, "turns": 2, "levels": [got],
          "knee": {"off": 0}})
+
+
+def test_a_level_over_several_passes_pools_their_turns_and_counts_each_conversation():
+    fast, slow = make_turn("a", 1, clock3_ms=900.0), make_turn("b", 1, clock3_ms=1600.0)
+    # two passes of 2 callers: the second refused one caller; 2 of the 3 served stayed within
+    got = level("off", 2, ["done", "done", "done", "refused"], [[fast], [slow], [fast]], 1500.0,
+                passes=2)
+    assert (got["admitted"], got["served"], got["within"]) == (1, 3, 2)
+    assert got["clock3_p50_ms"] == 900.0  # over the three turns of both passes
+    assert knee_of([got]) == 0  # 2 of 3 is under 90%
+    assert knee_of([{**got, "within": 3}]) == 1
+    table = render_knee({"threshold_ms": 1500.0, "max_calls": 2, "turns": 1, "passes": 2,
+                         "levels": [got], "knee": {"off": 0}})
+    assert "| off | 2 | 1 | 1 | 0 |" in table and "| 2/3 |" in table
+    assert "ran 2 times" in table
 
 
 def test_comparing_shared_forwards_runs_each_method_both_ways():

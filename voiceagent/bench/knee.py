@@ -8,10 +8,14 @@ stayed within the latency threshold (every turn's clock 3 under it). The knee
 is the most calls the server ran at once with at least `KEEP_SHARE` of them within it: callers it
 refused are not counted against it, nor as served. Run it with `server.max_calls` at the largest N
 to find where the machine bends.
+
+A level's figures move by about a fifth between runs on a shared 2-core machine; `passes` runs
+every level that many times, the methods alternating, and pools each level's turns.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
@@ -39,21 +43,24 @@ def variants(methods: list[str], compare_shared: bool) -> list[tuple[str, str, b
 
 
 async def knee(cfg: Config, shared, audio: list, callers: list[int],
-               runs: list[tuple[str, str, bool]], threshold_ms: float, say) -> dict:
+               runs: list[tuple[str, str, bool]], threshold_ms: float, say,
+               passes: int = 1) -> dict:
     with tempfile.TemporaryDirectory(prefix="knee-") as tmp:
         clips = []
         for i, speech in enumerate(audio):  # the callers' process reads them
             clips.append(Path(tmp) / f"{i}.npy")
             np.save(clips[-1], speech)
-        return await _knee(cfg, shared, clips, callers, runs, threshold_ms, say)
+        return await _knee(cfg, shared, clips, callers, runs, threshold_ms, say, passes)
 
 
 async def _knee(cfg: Config, shared, audio: list[Path], callers: list[int],
-                runs: list[tuple[str, str, bool]], threshold_ms: float, say) -> dict:
-    levels = []
-    bar = progress_bar(len(runs) * len(callers), "bench serve --knee", "level")
+                runs: list[tuple[str, str, bool]], threshold_ms: float, say,
+                passes: int) -> dict:
+    # per (method, callers): every pass's outcomes and calls
+    pooled = {(label, n): ([], []) for label, _, _ in runs for n in callers}
+    bar = progress_bar(passes * len(runs) * len(callers), "bench serve --knee", "level")
     engine = shared.worker.engine if shared.worker is not None else None
-    for label, method, shared_forwards in runs:
+    for label, method, shared_forwards in [run for _ in range(passes) for run in runs]:
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.engine.speculation.method = method
         run_cfg.engine.shared_forwards = shared_forwards  # what this variant's turns record
@@ -71,25 +78,32 @@ async def _knee(cfg: Config, shared, audio: list[Path], callers: list[int],
                 before = set(records.by_call)
                 outcomes = await call_from_another_process(url, audio, n, STAGGER_S)
                 await app.state.server.calls.wait_idle()
-                calls = [records.by_call[c] for c in records.by_call if c not in before]
-                levels.append(level(label, n, outcomes, calls, threshold_ms))
+                pooled[label, n][0].extend(outcomes)
+                pooled[label, n][1].extend(records.by_call[c] for c in records.by_call
+                                           if c not in before)
                 bar.update()
     bar.close()
+    levels = [level(label, n, *pooled[label, n], threshold_ms, passes)
+              for label, _, _ in runs for n in callers]
     return {"threshold_ms": threshold_ms, "max_calls": cfg.server.max_calls,
-            "turns": len(audio), "levels": levels,
+            "turns": len(audio), "passes": passes, "levels": levels,
             "knee": {label: knee_of([lv for lv in levels if lv["method"] == label])
                      for label, _, _ in runs}}
 
 
-def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: float) -> dict:
+def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: float,
+          passes: int = 1) -> dict:
+    """A number of callers at once over its `passes`: `outcomes` and `calls` of every pass."""
+    refused = outcomes.count("refused")
     clock3 = [t.clocks.turn_end_to_first_audio_ms for turns in calls for t in turns]
     itl95 = [t.clocks.itl_ms.p95 for turns in calls for t in turns if t.clocks.itl_ms.p95]
     within = sum(1 for turns in calls if turns and all(
         t.clocks.turn_end_to_first_audio_ms is not None
         and t.clocks.turn_end_to_first_audio_ms <= threshold_ms for t in turns))
     return {
-        "method": method, "callers": n, "refused": outcomes.count("refused"),
-        "failed": outcomes.count("failed"), "admitted": n - outcomes.count("refused"),
+        "method": method, "callers": n, "refused": refused, "failed": outcomes.count("failed"),
+        "admitted": n - math.ceil(refused / passes),  # at once, in the pass that refused most
+        "served": len(outcomes) - refused,  # conversations over the passes
         "within": within,
         "clock3_p50_ms": percentile([c for c in clock3 if c is not None], 50),
         "clock3_p95_ms": percentile([c for c in clock3 if c is not None], 95),
@@ -102,10 +116,10 @@ def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: f
 
 def knee_of(levels: list[dict]) -> int:
     """The most calls admitted at once of which at least KEEP_SHARE stayed within the
-    threshold and none failed; 0 if no level did."""
+    threshold (over all passes) and none failed; 0 if no level did."""
     good = [lv["admitted"] for lv in levels
             if lv["admitted"] and not lv["failed"]
-            and lv["within"] >= KEEP_SHARE * lv["admitted"]]
+            and lv["within"] >= KEEP_SHARE * lv["served"]]
     return max(good, default=0)
 
 
@@ -113,16 +127,19 @@ def render_knee(r: dict) -> str:
     def ms(v):
         return fmt(v, 0)
 
+    passes = r.get("passes", 1)
+    pooled = f" Each level ran {passes} times, the methods alternating; its turns are pooled." \
+        if passes > 1 else ""
     lines = [f"Threshold: clock 3 ≤ {r['threshold_ms']:.0f} ms on every turn of a "
              f"{r['turns']}-turn conversation; admission limit server.max_calls = "
-             f"{r['max_calls']}.", "",
+             f"{r['max_calls']}.{pooled}", "",
              "| method | callers at once | admitted | refused | failed | clock 3 p50 | "
              "clock 3 p95 | ITL p95 | within threshold |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for lv in r["levels"]:
         lines.append(f"| {lv['method']} | {lv['callers']} | {lv['admitted']} | {lv['refused']} | "
                      f"{lv['failed']} | {ms(lv['clock3_p50_ms'])} | {ms(lv['clock3_p95_ms'])} | "
-                     f"{ms(lv['itl_p95_ms'])} | {lv['within']}/{lv['admitted']} |")
+                     f"{ms(lv['itl_p95_ms'])} | {lv['within']}/{lv['served']} |")
     stages = [k for k in BREAKDOWN
               if any(lv.get("breakdown_p50_ms", {}).get(k) is not None for lv in r["levels"])]
     lines += ["", "Where clock 3 went, each stage's p50 (ms):", "",

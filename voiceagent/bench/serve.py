@@ -174,6 +174,8 @@ def run_serve_bench(cfg: Config, args) -> int:
     say = write  # progress on stderr, above a bar on a terminal
     default_calls = "1,2,3,4,5,6" if args.knee else "1,2,3"
     concurrency = [int(x) for x in (args.calls or default_calls).split(",")]
+    if args.repeats < 1:
+        raise ValueError(f"--repeats takes a count of passes of at least 1, not {args.repeats}")
     shared = load_shared(cfg, say)
     try:
         t0 = time.monotonic()
@@ -183,7 +185,7 @@ def run_serve_bench(cfg: Config, args) -> int:
             audio = [bench.speech[q] for q in QUESTIONS[:args.turns]]
             runs = variants(methods, args.compare_shared_forwards)
             result = asyncio.run(knee(cfg, shared, audio, concurrency, runs,
-                                      args.threshold_ms, say))
+                                      args.threshold_ms, say, args.repeats))
             body, name = render_knee(result), "serve-knee"
         else:  # this bench measures how calls share the machine: admit them all
             cfg.server.max_calls = max(cfg.server.max_calls, *concurrency)
