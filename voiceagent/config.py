@@ -80,6 +80,11 @@ class ServerConfig(BaseModel):
     # up to max_calls).
     max_calls: int = Field(4, ge=1)
     admit_clock3_ms: float = Field(1500.0, ge=0)
+    # While any call's reply is on its way to its first audio, Whisper's and Piper's background
+    # jobs (other callers' interims, later phrases) wait up to this long, so the cores go to that
+    # reply's first phrase (docs/BENCHMARKS.md, "Four callers: background speech waits while a
+    # reply opens"). 0: off.
+    opening_hold_ms: float = Field(250.0, ge=0)
     # The A/B baseline: this share of calls runs with speculation off (the in-process engine
     # only), spread evenly over the calls, so the dashboard's ITL speed-up fills itself from live
     # traffic. 0: every call uses engine.speculation.method.

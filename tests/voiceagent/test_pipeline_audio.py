@@ -40,7 +40,7 @@ from tests.audio.speech import misheard, silence, speech
 from voiceagent.models import resolve
 from voiceagent.pipeline.frames import UserSpeechPausedFrame
 from voiceagent.pipeline.metrics import ASRFinalMetricsData
-from voiceagent.pipeline.speech_worker import CRITICAL, SpeechWorker
+from voiceagent.pipeline.speech_worker import CRITICAL, Openings, SpeechWorker
 from voiceagent.pipeline.stt import StreamingWhisperSTTService, _same_words, load_asr_model
 from voiceagent.pipeline.tts import load_tts_voice, make_tts
 from voiceagent.pipeline.vad import load_vad_model, make_vad
@@ -441,6 +441,51 @@ async def test_a_replys_first_phrase_holds_its_calls_engine_requests_while_synth
     assert max_s == 0.4 and until.is_set()
     # released before the second phrase
     assert len(released_at_synthesis) >= 3 and all(released_at_synthesis[1:])
+
+
+async def test_a_reply_is_an_opening_from_its_start_to_its_first_audio(voice):
+    openings, open_at_synthesis = Openings(), []
+
+    class SpiedVoice:  # each clause's synthesis sees whether a reply is still opening
+        config = voice.config
+
+        def synthesize(self, text, **kwargs):
+            open_at_synthesis.append(openings.any())
+            return voice.synthesize(text, **kwargs)
+
+    tts = make_tts(TTSConfig(), SpiedVoice(), openings=openings)
+    send = [LLMFullResponseStartFrame(), LLMTextFrame("Paris is the capital of France, "),
+            LLMTextFrame("and it has many museums."), LLMFullResponseEndFrame()]
+    await run_test(tts, frames_to_send=send)
+    assert open_at_synthesis[0] and len(open_at_synthesis) >= 2
+    assert not any(open_at_synthesis[1:])  # closed once the first phrase's audio was out
+
+
+class _Logged(Openings):
+    def __init__(self, log: list[str]):
+        super().__init__()
+        self.log = log
+
+    def open(self, reply):
+        self.log.append("open")
+        super().open(reply)
+
+    def close(self, reply):
+        self.log.append("close")
+        super().close(reply)
+
+
+@pytest.mark.parametrize("send", [
+    [LLMFullResponseStartFrame(), LLMFullResponseEndFrame()],  # a tool call: no text
+    # a barge-in before any audio (a system frame: it would overtake the start unless later)
+    [LLMFullResponseStartFrame(), SleepFrame(0.2), InterruptionFrame()],
+], ids=["no-text", "interrupted"])
+async def test_a_reply_that_will_not_be_heard_closes_its_opening(voice, send):
+    log: list[str] = []
+    openings = _Logged(log)
+    tts = make_tts(TTSConfig(), voice, openings=openings)
+    await run_test(tts, frames_to_send=send)
+    assert log[:2] == ["open", "close"] and not openings.any()
 
 
 @pytest.mark.parametrize("hold_s,send", [

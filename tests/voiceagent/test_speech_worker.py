@@ -1,14 +1,16 @@
 """The process's speech workers (`voiceagent.pipeline.speech_worker`): one job at a time, urgent
-ones first, a cancelled job never run, a job's error its caller's."""
+ones first, a cancelled job never run, a job's error its caller's, and background jobs held a
+while when a reply opens."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
-from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker
+from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, Openings, SpeechWorker
 
 
 @pytest.fixture
@@ -68,3 +70,41 @@ async def test_closing_fails_the_queued_jobs_and_refuses_new_ones():
         await queued
     with pytest.raises(RuntimeError, match="closed"):
         await worker.run(lambda: "late")
+
+
+async def test_a_background_job_waits_while_a_reply_opens_and_a_critical_one_does_not():
+    openings = Openings()
+    worker = SpeechWorker("held-worker", openings, hold_s=5.0)
+    try:
+        ran: list[str] = []
+        openings.open("call a")
+        interim = asyncio.ensure_future(worker.run(ran.append, "interim", priority=BACKGROUND))
+        await asyncio.sleep(0.1)
+        assert ran == []
+        await asyncio.wait_for(worker.run(ran.append, "first phrase", priority=CRITICAL), 1)
+        assert ran == ["first phrase"]
+        openings.close("call a")  # its first audio is out
+        await asyncio.wait_for(interim, 1)
+        assert ran == ["first phrase", "interim"]
+    finally:
+        worker.close()
+
+
+async def test_a_held_background_job_runs_after_the_hold_even_while_the_reply_is_open():
+    openings = Openings()
+    worker = SpeechWorker("held-worker", openings, hold_s=0.2)
+    openings.open("call a")
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(worker.run(lambda: None), 2)
+    finally:
+        worker.close()
+    assert 0.2 <= time.monotonic() - t0 < 1.5
+
+
+def test_an_opening_left_open_lapses():
+    openings = Openings(lapse_s=0.05)
+    openings.open("call a")
+    assert openings.any()
+    time.sleep(0.06)
+    assert not openings.any()

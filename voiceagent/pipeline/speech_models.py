@@ -22,7 +22,7 @@ from audio.asr import SAMPLE_RATE, StreamingTranscriber
 from audio.synth import synthesize
 from llm_engine.threads import Load
 from voiceagent.config import Config
-from voiceagent.pipeline.speech_worker import SpeechWorker
+from voiceagent.pipeline.speech_worker import Openings, SpeechWorker
 from voiceagent.pipeline.stt import asr_threads, load_asr_model
 from voiceagent.pipeline.tts import load_tts_voice
 from voiceagent.pipeline.turns import load_smart_turn_session
@@ -51,9 +51,11 @@ class SpeechModels:
     vad: SileroOnnxModel
     smart_turn: Any | None  # onnxruntime.InferenceSession; None unless turn.stop needs it
     settings: dict[str, object]  # speech_settings of the config they were loaded for
-    # One thread each for Whisper and Piper, serving every call, urgent work first.
+    # One thread each for Whisper and Piper, serving every call, urgent work first; their
+    # background jobs wait while a reply opens (`server.opening_hold_ms`).
     asr_worker: SpeechWorker
     tts_worker: SpeechWorker
+    openings: Openings
     asr_threads: int = 0  # Whisper's CPU threads (`asr.cpu_threads` resolved; 0: its default)
 
     @classmethod
@@ -68,8 +70,10 @@ class SpeechModels:
         whisper = load_asr_model(cfg.asr, threads)
         vad = load_vad_model(cfg.vad)
         smart_turn = load_smart_turn_session() if cfg.turn.stop == "smart_turn" else None
+        openings, hold_s = Openings(), cfg.server.opening_hold_ms / 1000
         return cls(whisper, voice, vad, smart_turn, speech_settings(cfg),
-                   SpeechWorker("asr-worker"), SpeechWorker("tts-worker"), threads)
+                   SpeechWorker("asr-worker", openings, hold_s),
+                   SpeechWorker("tts-worker", openings, hold_s), openings, threads)
 
     def busy(self) -> bool:
         """Whether Whisper or Piper is running a job now (safe from any thread)."""

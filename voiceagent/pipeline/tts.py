@@ -12,7 +12,9 @@ takes about 0.5 s and 60 MB, too much per call and too slow for the event loop).
   passes our length scale to Piper, and resamples each clause in one piece (see _synthesize);
 - a prepared reply (PreparedResponseStartFrame) is synthesised like any other, and its audio is
   held after us (held_reply.py); when it is withdrawn (EagerEndOfTurnCancelFrame) we drop it as
-  an interruption would: its queued text, its clause in progress and its audio.
+  an interruption would: its queued text, its clause in progress and its audio;
+- a reply is an opening (`speech_worker.Openings`) from its start to its first chunk's audio, so
+  that the process's speech workers hold their background jobs meanwhile.
 """
 
 from __future__ import annotations
@@ -23,11 +25,15 @@ from pathlib import Path
 
 from loguru import logger
 from pipecat.frames.frames import (
+    CancelFrame,
     EagerEndOfTurnCancelFrame,
+    EndFrame,
     ErrorFrame,
     Frame,
     InterruptionFrame,
+    LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
+    LLMTextFrame,
     TTSSpeakFrame,
     UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
@@ -45,7 +51,7 @@ from audio.text import ClauseSplitter, split_clauses
 from audio.wav import resample
 from voiceagent.models import resolve
 from voiceagent.pipeline.frames import PreparedResponseStartFrame
-from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, SpeechWorker, run_on
+from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, Openings, SpeechWorker, run_on
 
 
 class ClauseTextAggregator(BaseTextAggregator):
@@ -86,7 +92,8 @@ class ClausePiperTTSService(TTSService):
 
     def __init__(self, *, voice, voice_name: str, cfg: TTSConfig,
                  worker: SpeechWorker | None = None,
-                 hold_engine: Callable[[threading.Event, float], None] | None = None, **kwargs):
+                 hold_engine: Callable[[threading.Event, float], None] | None = None,
+                 openings: Openings | None = None, **kwargs):
         super().__init__(
             push_start_frame=True,
             push_stop_frames=True,
@@ -101,6 +108,8 @@ class ClausePiperTTSService(TTSService):
         # event is set, at most `first_phrase_hold_s`); None: no in-process engine, or off.
         self._hold_engine = hold_engine if cfg.first_phrase_hold_s > 0 else None
         self._hold_s = cfg.first_phrase_hold_s
+        self._openings = openings  # this call's reply, from its start to its first audio
+        self._texted = False  # the reply has text (else, a tool call, it closes at its end)
         self._min_clause_chars = cfg.min_clause_chars
         self._first_phrase_words = cfg.first_phrase_words
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
@@ -121,12 +130,20 @@ class ClausePiperTTSService(TTSService):
         if isinstance(frame, LLMFullResponseStartFrame):
             prepared = isinstance(frame, PreparedResponseStartFrame)
             self._preparing = prepared and not self._turn_ended
+            self._texted = False
+            self._opening(True)
+        elif isinstance(frame, LLMTextFrame):
+            self._texted = True
         elif isinstance(frame, UserStartedSpeakingFrame):
             self._turn_ended = False
         elif isinstance(frame, UserStoppedSpeakingFrame):
             self._preparing, self._turn_ended = False, True  # the reply is committed
         await super().process_frame(frame, direction)
+        if isinstance(frame, InterruptionFrame | EndFrame | CancelFrame) \
+                or isinstance(frame, LLMFullResponseEndFrame) and not self._texted:
+            self._opening(False)  # no first audio will come of it
         if isinstance(frame, EagerEndOfTurnCancelFrame) and self._preparing:
+            self._opening(False)
             self._preparing = False
             await self._start_interruption()  # its text still queued here goes too
             await self._handle_interruption(InterruptionFrame(), direction)
@@ -165,10 +182,21 @@ class ClausePiperTTSService(TTSService):
             while (chunk := await self._next_chunk(chunks)) is not None:
                 yield resample(chunk.audio_int16_array, rate, self.sample_rate).tobytes()
 
+    def _opening(self, on: bool) -> None:
+        if self._openings is not None:
+            (self._openings.open if on else self._openings.close)(self)
+
     async def _next_chunk(self, chunks):
         """Piper's next chunk on the process's TTS worker (a reply's first phrase before other
         calls' later ones)."""
         first, self._first_phrase = self._first_phrase, False
+        try:
+            return await self._chunk_on_worker(chunks, first)
+        finally:
+            if first:
+                self._opening(False)  # its first audio is out
+
+    async def _chunk_on_worker(self, chunks, first: bool):
         if not (first and self._reply) or self._hold_engine is None:
             return await run_on(self._worker, next, chunks, None,
                                 priority=CRITICAL if first else BACKGROUND)
@@ -193,11 +221,12 @@ def load_tts_voice(cfg: TTSConfig):
 
 
 def make_tts(cfg: TTSConfig, voice, worker: SpeechWorker | None = None,
-             hold_engine: Callable[[threading.Event, float], None] | None = None
-             ) -> ClausePiperTTSService:
+             hold_engine: Callable[[threading.Event, float], None] | None = None,
+             openings: Openings | None = None) -> ClausePiperTTSService:
     """One call's TTS service over the process's `voice` (`load_tts_voice`) and TTS `worker`;
-    its output rate follows the transport's."""
+    its output rate follows the transport's. `openings`: the process's replies on their way to
+    their first audio, this call's among them."""
     location = resolve(cfg.voice, "tts").location
     return ClausePiperTTSService(
         voice=voice, voice_name=Path(location).name.removesuffix(".onnx"), cfg=cfg,
-        worker=worker, hold_engine=hold_engine)
+        worker=worker, hold_engine=hold_engine, openings=openings)
