@@ -39,8 +39,7 @@ def test_a_level_counts_a_conversation_within_only_if_every_turn_is():
 def test_a_level_over_several_passes_pools_their_turns_and_counts_each_conversation():
     fast, slow = make_turn("a", 1, clock3_ms=900.0), make_turn("b", 1, clock3_ms=1600.0)
     # two passes of 2 callers: the second refused one caller; 2 of the 3 served stayed within
-    got = level("off", 2, ["done", "done", "done", "refused"], [[fast], [slow], [fast]], 1500.0,
-                passes=2)
+    got = level("off", 2, ["done", "done", "done", "refused"], [[fast], [slow], [fast]], 1500.0)
     assert (got["admitted"], got["served"], got["within"]) == (1, 3, 2)
     assert got["clock3_p50_ms"] == 900.0  # over the three turns of both passes
     assert knee_of([got]) == 0  # 2 of 3 is under 90%
@@ -49,6 +48,9 @@ def test_a_level_over_several_passes_pools_their_turns_and_counts_each_conversat
                          "levels": [got], "knee": {"off": 0}})
     assert "| off | 2 | 1 | 1 | 0 |" in table and "| 2/3 |" in table
     assert "ran 2 times" in table
+    # three passes of 3: the first refused 2, the others none: at once, 1 was admitted
+    spread = level("off", 3, ["refused", "refused", "done"] + ["done"] * 6, [[fast]] * 7, 1500.0)
+    assert (spread["admitted"], spread["refused"], spread["served"]) == (1, 2, 7)
 
 
 def test_comparing_shared_forwards_runs_each_method_both_ways():

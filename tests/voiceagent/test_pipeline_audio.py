@@ -477,9 +477,10 @@ class _Logged(Openings):
 
 @pytest.mark.parametrize("send", [
     [LLMFullResponseStartFrame(), LLMFullResponseEndFrame()],  # a tool call: no text
+    [LLMFullResponseStartFrame(), LLMTextFrame("  "), LLMFullResponseEndFrame()],  # no words
     # a barge-in before any audio (a system frame: it would overtake the start unless later)
     [LLMFullResponseStartFrame(), SleepFrame(0.2), InterruptionFrame()],
-], ids=["no-text", "interrupted"])
+], ids=["no-text", "blank-text", "interrupted"])
 async def test_a_reply_that_will_not_be_heard_closes_its_opening(voice, send):
     log: list[str] = []
     openings = _Logged(log)

@@ -108,3 +108,16 @@ def test_an_opening_left_open_lapses():
     assert openings.any()
     time.sleep(0.06)
     assert not openings.any()
+
+
+async def test_background_jobs_queued_together_are_held_together_not_one_after_another():
+    openings = Openings()
+    worker = SpeechWorker("held-worker", openings, hold_s=0.3)
+    openings.open("call a")
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(asyncio.gather(worker.run(lambda: None), worker.run(lambda: None)),
+                               2)
+    finally:
+        worker.close()
+    assert 0.3 <= time.monotonic() - t0 < 0.55  # one hold, not two

@@ -15,7 +15,6 @@ every level that many times, the methods alternating, and pools each level's tur
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 
@@ -83,7 +82,7 @@ async def _knee(cfg: Config, shared, audio: list[Path], callers: list[int],
                                            if c not in before)
                 bar.update()
     bar.close()
-    levels = [level(label, n, *pooled[label, n], threshold_ms, passes)
+    levels = [level(label, n, *pooled[label, n], threshold_ms)
               for label, _, _ in runs for n in callers]
     return {"threshold_ms": threshold_ms, "max_calls": cfg.server.max_calls,
             "turns": len(audio), "passes": passes, "levels": levels,
@@ -91,10 +90,12 @@ async def _knee(cfg: Config, shared, audio: list[Path], callers: list[int],
                      for label, _, _ in runs}}
 
 
-def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: float,
-          passes: int = 1) -> dict:
-    """A number of callers at once over its `passes`: `outcomes` and `calls` of every pass."""
-    refused = outcomes.count("refused")
+def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: float) -> dict:
+    """A number of callers at once over one pass or several: `outcomes` (n a pass, in pass
+    order) and `calls` of every pass. Refused and within count every pass; admitted is per
+    pass."""
+    refused_per_pass = [outcomes[i:i + n].count("refused") for i in range(0, len(outcomes), n)]
+    refused = sum(refused_per_pass)
     clock3 = [t.clocks.turn_end_to_first_audio_ms for turns in calls for t in turns]
     itl95 = [t.clocks.itl_ms.p95 for turns in calls for t in turns if t.clocks.itl_ms.p95]
     within = sum(1 for turns in calls if turns and all(
@@ -102,7 +103,7 @@ def level(method: str, n: int, outcomes: list[str], calls: list, threshold_ms: f
         and t.clocks.turn_end_to_first_audio_ms <= threshold_ms for t in turns))
     return {
         "method": method, "callers": n, "refused": refused, "failed": outcomes.count("failed"),
-        "admitted": n - math.ceil(refused / passes),  # at once, in the pass that refused most
+        "admitted": n - max(refused_per_pass, default=0),  # at once, in the pass that refused most
         "served": len(outcomes) - refused,  # conversations over the passes
         "within": within,
         "clock3_p50_ms": percentile([c for c in clock3 if c is not None], 50),

@@ -265,7 +265,8 @@ def build_call(
         llm,
         make_tts(cfg.tts, speech.voice, speech.tts_worker,
                  functools.partial(shared.worker.hold_session, call_id) if shared.worker else None,
-                 speech.openings),
+                 # a remote LLM's first token costs these cores nothing: no hold for it
+                 speech.openings if shared.worker else None),
         HeldReplyGate(),
         *([OnsetHold(cfg.vad.start_secs + HOLD_MARGIN_S)] if cfg.turn.yield_to_voice else []),
         *before_output,

@@ -55,7 +55,7 @@ class SpeechModels:
     # background jobs wait while a reply opens (`server.opening_hold_ms`).
     asr_worker: SpeechWorker
     tts_worker: SpeechWorker
-    openings: Openings
+    openings: Openings | None  # None: the hold is off
     asr_threads: int = 0  # Whisper's CPU threads (`asr.cpu_threads` resolved; 0: its default)
 
     @classmethod
@@ -70,7 +70,8 @@ class SpeechModels:
         whisper = load_asr_model(cfg.asr, threads)
         vad = load_vad_model(cfg.vad)
         smart_turn = load_smart_turn_session() if cfg.turn.stop == "smart_turn" else None
-        openings, hold_s = Openings(), cfg.server.opening_hold_ms / 1000
+        hold_s = cfg.server.opening_hold_ms / 1000
+        openings = Openings() if hold_s > 0 else None
         return cls(whisper, voice, vad, smart_turn, speech_settings(cfg),
                    SpeechWorker("asr-worker", openings, hold_s),
                    SpeechWorker("tts-worker", openings, hold_s), openings, threads)

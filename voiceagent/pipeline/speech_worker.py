@@ -8,9 +8,9 @@ reply's first phrase), then background ones (interims, later phrases), each in a
 job whose caller stopped waiting (cancelled) is dropped before it runs.
 
 While any call's reply is on its way to its first audio (`Openings`), a background job waits, up
-to the worker's `hold_s`: the cores go to that reply's first phrase (the engine's decode, Piper's
-first chunk), the work clock 3 waits on. Under four callers on 2 cores a background job beside
-it had doubled both.
+to the worker's `hold_s` from its submission: the cores go to that reply's first phrase (the
+engine's decode, Piper's first chunk), the work clock 3 waits on. Under four callers on 2 cores a
+background job beside it had doubled both.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Openings:
     one per call). An opening left open (a frame lost) lapses after `lapse_s`. Safe from any
     thread."""
 
-    def __init__(self, lapse_s: float = 3.0):
+    def __init__(self, lapse_s: float = 1.5):
         self._lapse_s = lapse_s
         self._open: dict[object, float] = {}
         self._lock = threading.Lock()
@@ -65,7 +65,6 @@ class SpeechWorker:
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()  # arrival order within a priority
         self._openings, self._hold_s = openings, hold_s
-        self._held: dict[int, float] = {}  # a held job's arrival order: when it was first held
         self._closed = False
         self._running = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -78,7 +77,7 @@ class SpeechWorker:
             raise RuntimeError(f"{self.name} is closed")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._jobs.put((priority, next(self._order), fn, args, loop, done))
+        self._jobs.put((priority, next(self._order), time.monotonic(), fn, args, loop, done))
         return await done
 
     def busy(self) -> bool:
@@ -88,23 +87,22 @@ class SpeechWorker:
     def close(self) -> None:
         """Stop after the job in progress; the jobs still queued fail with RuntimeError."""
         self._closed = True
-        self._jobs.put((-1, next(self._order), None, (), None, None))  # before anything queued
+        self._jobs.put((-1, next(self._order), 0.0, None, (), None, None))  # before anything
         self._thread.join(5)
         while not self._jobs.empty():
-            _, _, _, _, loop, done = self._jobs.get_nowait()
+            *_, loop, done = self._jobs.get_nowait()
             if done is not None:  # not the stop marker of a worker still busy
                 _post(loop, done, None, RuntimeError(f"{self.name} closed"))
 
     def _serve(self) -> None:
         while True:
             job = self._jobs.get()
-            priority, order, fn, args, loop, done = job
+            priority, _, submitted, fn, args, loop, done = job
             if fn is None:
                 return
             if done.cancelled():  # its caller hung up or moved on: the cores are better spent
-                self._held.pop(order, None)
                 continue
-            if self._holds(priority, order):
+            if self._holds(priority, submitted):
                 self._jobs.put(job)
                 time.sleep(HOLD_POLL_S)
                 continue
@@ -117,17 +115,11 @@ class SpeechWorker:
                 self._running = False
             _post(loop, done, result, error)
 
-    def _holds(self, priority: int, order: int) -> bool:
-        """Whether a background job waits longer: a reply is opening, and the job has waited
-        less than `hold_s` for it."""
-        if priority != BACKGROUND or not self._hold_s or self._openings is None:
-            return False
-        if self._openings.any():
-            since = self._held.setdefault(order, time.monotonic())
-            if time.monotonic() - since < self._hold_s:
-                return True
-        self._held.pop(order, None)
-        return False
+    def _holds(self, priority: int, submitted: float) -> bool:
+        """Whether a background job waits longer: a reply is opening, and the job was submitted
+        less than `hold_s` ago (jobs queued together wait together, not one after another)."""
+        return priority == BACKGROUND and self._openings is not None \
+            and time.monotonic() - submitted < self._hold_s and self._openings.any()
 
 
 async def run_on(worker: SpeechWorker | None, fn: Callable[..., T], *args: Any,

@@ -33,7 +33,6 @@ from pipecat.frames.frames import (
     InterruptionFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
-    LLMTextFrame,
     TTSSpeakFrame,
     UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
@@ -109,7 +108,6 @@ class ClausePiperTTSService(TTSService):
         self._hold_engine = hold_engine if cfg.first_phrase_hold_s > 0 else None
         self._hold_s = cfg.first_phrase_hold_s
         self._openings = openings  # this call's reply, from its start to its first audio
-        self._texted = False  # the reply has text (else, a tool call, it closes at its end)
         self._min_clause_chars = cfg.min_clause_chars
         self._first_phrase_words = cfg.first_phrase_words
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
@@ -130,23 +128,25 @@ class ClausePiperTTSService(TTSService):
         if isinstance(frame, LLMFullResponseStartFrame):
             prepared = isinstance(frame, PreparedResponseStartFrame)
             self._preparing = prepared and not self._turn_ended
-            self._texted = False
-            self._opening(True)
-        elif isinstance(frame, LLMTextFrame):
-            self._texted = True
+            self._opening(not frame.skip_tts)
         elif isinstance(frame, UserStartedSpeakingFrame):
             self._turn_ended = False
         elif isinstance(frame, UserStoppedSpeakingFrame):
             self._preparing, self._turn_ended = False, True  # the reply is committed
         await super().process_frame(frame, direction)
-        if isinstance(frame, InterruptionFrame | EndFrame | CancelFrame) \
-                or isinstance(frame, LLMFullResponseEndFrame) and not self._texted:
-            self._opening(False)  # no first audio will come of it
+        # Its text is synthesised by the end of the reply (pipecat awaits `run_tts` as it goes):
+        # no first audio comes of it after that, an interruption, or the call's end.
+        if isinstance(frame, LLMFullResponseEndFrame | InterruptionFrame | EndFrame | CancelFrame):
+            self._opening(False)
         if isinstance(frame, EagerEndOfTurnCancelFrame) and self._preparing:
             self._opening(False)
             self._preparing = False
             await self._start_interruption()  # its text still queued here goes too
             await self._handle_interruption(InterruptionFrame(), direction)
+
+    async def cleanup(self):
+        self._opening(False)  # whatever ended the call, its reply holds no one
+        await super().cleanup()
 
     def can_generate_metrics(self) -> bool:
         return True
