@@ -84,7 +84,7 @@ class ServerConfig(BaseModel):
     # jobs (other callers' interims, later phrases) wait up to this long, so the cores go to that
     # reply's first phrase (docs/BENCHMARKS.md, "Four callers: background speech waits while a
     # reply opens"). 0: off.
-    opening_hold_ms: float = Field(250.0, ge=0)
+    opening_hold_ms: float = Field(500.0, ge=0)
     # The A/B baseline: this share of calls runs with speculation off (the in-process engine
     # only), spread evenly over the calls, so the dashboard's ITL speed-up fills itself from live
     # traffic. 0: every call uses engine.speculation.method.
