@@ -132,6 +132,7 @@ async def test_a_caller_asking_for_an_order_hears_its_status(cfg, shared):
     result = await simulate_call(digits, shared, _caller(0.5, question, 10.0))
 
     [turn] = result.turns
+    assert len(turn.tool_calls) == 1, (turn.user_text, turn.bot_text, turn.tool_calls)
     [call] = turn.tool_calls
     assert call.name == "lookup_order" and call.ok
     tool = next(m for m in result.messages if m["role"] == "tool")
