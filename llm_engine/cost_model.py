@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from llm_engine.config import SamplingConfig
+from llm_engine.lean import int_kernel
 from llm_engine.proposers.base import ProposeContext, Proposer
 from llm_engine.runner import TargetRunner
 from llm_engine.sampling import make_generator
@@ -222,6 +223,7 @@ def machine_key(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "platform": platform.machine(),
+        "int_kernel": int_kernel.name() if device.type == "cpu" else "torch",
     }
 
 

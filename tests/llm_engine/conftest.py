@@ -17,3 +17,15 @@ def target(tokenizer):
 def draft(tokenizer):
     """A different random model: it mostly disagrees with the target."""
     return make_model(len(tokenizer), seed=1, layers=1, hidden=32)
+
+
+@pytest.fixture(params=["own", "torch"])
+def int_kernel_choice(request):
+    """Each q4/q8 kernel in turn for layers built in the test: ours (where it runs) and torch's."""
+    from llm_engine.lean import int_kernel
+
+    if request.param == "own" and not int_kernel.available():
+        pytest.skip("our own int kernel does not run here (no AVX512-VNNI, or no compiler)")
+    int_kernel.use(request.param == "own")
+    yield request.param
+    int_kernel.use(True)

@@ -15,6 +15,7 @@ from llm_engine.lean import linear
 from llm_engine.lean.llama import LeanLlama, fastest_attention_dtype, supports
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.runner import EagerRunner
+from tests.llm_engine.int_rows import quantised_rows
 from tests.llm_engine.requests import accepted_with_equal_output, plain_and_speculative
 from tests.llm_engine.test_engine import NEW_TOKENS, hf_greedy, random_prompts, run
 
@@ -136,16 +137,20 @@ def test_int8_quantisation_keeps_each_weight_within_half_a_step():
     assert ((layer.dequantised() - weight).abs() <= step / 2 + 1e-6).all()
 
 
-def test_an_8_bit_groups_layer_computes_the_product_of_its_codes_through_the_4_bit_kernel():
+def test_an_8_bit_groups_layer_computes_the_product_of_its_codes(int_kernel_choice):
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(-128, 128, (16, 64), generator=generator, dtype=torch.int32)
     scales = torch.rand(16, 2, generator=generator) * 0.01  # powers of two apart: exact in bf16
     scales = 2.0 ** torch.round(torch.log2(scales))
     layer = linear.Q8Linear(codes.to(torch.int8), scales, torch.bfloat16)
     weight = codes.float() * scales.repeat_interleave(32, dim=1)
-    assert torch.equal(layer.dequantised(), weight)  # both nibbles, every sign
+    assert torch.equal(layer.dequantised(), weight)  # every code, every sign
     x = torch.randn(3, 64, generator=generator).bfloat16()
-    torch.testing.assert_close(layer(x).float(), x.float() @ weight.t(), rtol=2e-2, atol=2e-3)
+    if int_kernel_choice == "own":  # activations in int8 per group: the product of those
+        torch.testing.assert_close(layer(x).double(), quantised_rows(x) @ weight.double().t(),
+                                   rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(layer(x).float(), x.float() @ weight.t(), rtol=2e-2, atol=2e-3)
 
 
 def test_an_architecture_outside_the_family_is_refused_with_the_reason():

@@ -13,7 +13,7 @@ from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.cost_model import cpu_model
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.lean.gguf import read_q4_1, read_q8_0_head
-from llm_engine.lean.linear import Q8Linear
+from llm_engine.lean.linear import Int4Linear, Q8Linear
 from llm_engine.lean.llama import LeanLlama
 from llm_engine.lean.runner import LeanRunner
 from llm_engine.prompts import encode_chat
@@ -34,32 +34,49 @@ def test_the_readers_q4_1_blocks_are_what_transformers_de_quantised(smollm2):
         assert torch.equal(weight.dequantised(), params[name].detach()), name
 
 
-def test_the_q4_codes_are_the_ggufs_and_only_scales_and_zeros_round(smollm2, q4):
+def test_the_q4_codes_are_the_ggufs(smollm2, q4):
     config = smollm2.model.config
     blocks = read_q4_1(smollm2.source, config.num_attention_heads, config.num_key_value_heads)
-    layer = q4.lean.layers[3]
     names = [f"model.layers.3.self_attn.{p}_proj.weight" for p in "qkv"]
-    assert torch.equal(layer.qkv.codes, torch.cat([blocks[n].codes for n in names]))
-    file = torch.cat([blocks[n].dequantised() for n in names])
-    ours = layer.qkv.dequantised()
-    # bf16 keeps 8 bits of the scale and zero: a weight moves by at most 9 of their ulps
-    scales = torch.cat([blocks[n].scales for n in names]).repeat_interleave(32, dim=1)
-    zeros = torch.cat([blocks[n].zeros for n in names]).repeat_interleave(32, dim=1)
-    bound = (8 * scales.abs() + zeros.abs()) * 2.0 ** -8
-    assert ((ours - file).abs() <= bound).all()
+    assert torch.equal(q4.lean.layers[3].qkv.codes, torch.cat([blocks[n].codes for n in names]))
+
+
+def test_the_q4_weights_are_the_files_or_round_only_in_scales_and_zeros(smollm2,
+                                                                         int_kernel_choice):
+    config = smollm2.model.config
+    name = "model.layers.3.self_attn.q_proj.weight"
+    block = read_q4_1(smollm2.source, config.num_attention_heads, config.num_key_value_heads)[name]
+    ours = Int4Linear(block.codes, block.scales, block.mins, torch.bfloat16).dequantised()
+    file = block.dequantised()
+    if int_kernel_choice == "own":  # d and m in fp32: the file's weights exactly
+        assert torch.equal(ours, file)
+        return
+    # torch's kernel: bf16 keeps 8 bits of the scale and zero: a weight moves by at most 9 of
+    # their ulps
+    scales = block.scales.repeat_interleave(32, dim=1)
+    zeros = (block.mins + 8 * block.scales).repeat_interleave(32, dim=1)
+    assert ((ours - file).abs() <= (8 * scales.abs() + zeros.abs()) * 2.0 ** -8).all()
     assert not torch.equal(ours, file)  # the rounding is real: the test would see a change
 
 
-def test_the_q4_head_is_the_ggufs_q8_0_codes_and_only_their_scales_round(smollm2, q4):
+def test_the_q4_head_is_the_ggufs_q8_0_codes(smollm2, q4):
     head = read_q8_0_head(smollm2.source, "model.embed_tokens.weight")  # SmolLM2's is tied
     reference = smollm2.model.get_output_embeddings().weight.detach()
     assert torch.equal(head.dequantised(), reference)  # what transformers de-quantised
     assert isinstance(q4.lean.head, Q8Linear)
     assert torch.equal(q4.lean.head.codes, head.codes)
-    # 16d, 8d and d round alike in bf16 (8 significant bits), so a weight is q * bf16(d): off
-    # by at most |q| <= 128 times 2^-8 |d|
+
+
+def test_the_q8_head_is_the_files_or_rounds_only_in_its_scales(smollm2, int_kernel_choice):
+    head = read_q8_0_head(smollm2.source, "model.embed_tokens.weight")
+    reference = smollm2.model.get_output_embeddings().weight.detach()
+    ours = Q8Linear(head.codes, head.scales, torch.bfloat16).dequantised()
+    if int_kernel_choice == "own":  # d in fp32: the file's weights exactly
+        assert torch.equal(ours, reference)
+        return
+    # torch's kernel: 16d, 8d and d round alike in bf16 (8 significant bits), so a weight is
+    # q * bf16(d): off by at most |q| <= 128 times 2^-8 |d|
     scales = head.scales.repeat_interleave(32, dim=1)
-    ours = q4.lean.head.dequantised()
     assert ((ours - reference).abs() <= 128 * scales.abs() * 2.0 ** -8).all()
     assert not torch.equal(ours, reference)  # the rounding is real: the test would see a change
 

@@ -1,0 +1,217 @@
+// Weight-only 4- and 8-bit products on AVX512-VNNI: w = d * u + m per group of 32 inputs, with
+// u the unsigned code (0..15 or 0..255). Each activation row is quantised per group to two int8
+// codes, x ~ dx (q + r / 128) (about 14 bits: finer than bf16's 8), and each group's integer
+// dot products with the codes are taken by vpdpbusd, four products a lane.
+//
+// Why: torch's int4 CPU kernel pays an fp32 FMA for every weight of every extra row, so rows
+// sharing a forward cost nearly as much as forwards apart. Int8 activations alone (llama.cpp's
+// q8_1) cost the embedded target 4 points of top-1 agreement with fp32; the remainder code buys
+// them back for a second vpdpbusd per chunk. Each row runs the same instructions whatever the
+// row count, so a row's outputs are bit-identical alone or batched (the engine's speculation
+// depends on it).
+//
+// Layout (`llm_engine.lean.int_kernel.pack`): outputs in blocks of 16 lanes; per block and group,
+// the codes as 8 chunks of [16 lanes][4 inputs] (input k = 4 c + i of the group), 4-bit codes two
+// chunks a byte (chunk 2p low nibble, 2p + 1 high); d and m as [block][group][16] floats.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t LANES = 16;
+constexpr int MAX_ROWS = 4;  // rows a pass over a block carries: accumulators stay in registers
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+VNNI inline __m512 load16(const at::BFloat16* p) {
+  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+VNNI inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+
+VNNI inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
+  // round to nearest even, as torch's float -> bfloat16
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+  _mm256_mask_storeu_epi16(p, mask, half);
+}
+
+// One row's inputs to two int8 codes per group, x ~ dx (q + r / 128): q = round(x / dx) with
+// dx = max|x| / 127, and the remainder's r = round(128 (x / dx - q)) in -64..64; and
+// sx = dx * (sum(q) + sum(r) / 128) (what a group's m multiplies).
+template <typename T>
+VNNI void quantise_row(const T* x, int64_t groups, int8_t* q, int8_t* r, float* dx, float* sx) {
+  const __m512 fine = _mm512_set1_ps(128.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 a = load16(x + g * GROUP), b = load16(x + g * GROUP + LANES);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    float d = amax / 127.0f;
+    __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    __m512 sa = _mm512_mul_ps(a, inv), sb = _mm512_mul_ps(b, inv);
+    __m512i qa = _mm512_cvtps_epi32(sa), qb = _mm512_cvtps_epi32(sb);
+    __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sa, _mm512_cvtepi32_ps(qa)), fine));
+    __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sb, _mm512_cvtepi32_ps(qb)), fine));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * GROUP), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * GROUP + LANES), _mm512_cvtsepi32_epi8(qb));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r + g * GROUP), _mm512_cvtsepi32_epi8(ra));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r + g * GROUP + LANES), _mm512_cvtsepi32_epi8(rb));
+    dx[g] = d / 128.0f;
+    int32_t total = (_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) << 7) +
+                    _mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb));
+    sx[g] = dx[g] * static_cast<float>(total);
+  }
+}
+
+// R rows of one block of 16 outputs.
+template <int BITS, int R, typename T>
+VNNI void block_rows(const uint8_t* codes, const float* d, const float* m, int64_t groups,
+                     const int8_t* q, const int8_t* rq, const float* dx, const float* sx, int64_t in_features,
+                     const float* bias, T* out, int64_t out_stride, __mmask16 mask) {
+  constexpr int64_t BLOCK_BYTES = LANES * GROUP * BITS / 8;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = codes + g * BLOCK_BYTES;
+    __m512i w[8];
+    for (int p = 0; p < 8 * BITS / 8; ++p) {
+      __m512i v = _mm512_loadu_si512(block + 64 * p);
+      if constexpr (BITS == 4) {
+        w[2 * p] = _mm512_and_si512(v, nibble);
+        w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      } else {
+        w[p] = v;
+      }
+    }
+    __m512 dv = load16(d + g * LANES), mv = load16(m + g * LANES);
+    for (int r = 0; r < R; ++r) {
+      const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * in_features + g * GROUP);
+      const int32_t* rr = reinterpret_cast<const int32_t*>(rq + r * in_features + g * GROUP);
+      __m512i dot = _mm512_setzero_si512(), rest = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(qr[c]));
+        rest = _mm512_dpbusd_epi32(rest, w[c], _mm512_set1_epi32(rr[c]));
+      }
+      dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7), rest);
+      __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 v = bias ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, bias)) : acc[r];
+    store16(out + r * out_stride, v, mask);
+  }
+}
+
+template <int BITS, typename T>
+VNNI void block(const uint8_t* codes, const float* d, const float* m, int64_t groups,
+                const int8_t* q, const int8_t* rq, const float* dx, const float* sx, int64_t rows,
+                int64_t in_features, const float* bias, T* out, int64_t out_stride,
+                __mmask16 mask) {
+  for (int64_t r0 = 0; r0 < rows; r0 += MAX_ROWS) {
+    const int8_t *qr = q + r0 * in_features, *rr = rq + r0 * in_features;
+    const float *dxr = dx + r0 * groups, *sxr = sx + r0 * groups;
+    T* o = out + r0 * out_stride;
+    switch (std::min<int64_t>(MAX_ROWS, rows - r0)) {
+      case 1: block_rows<BITS, 1>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
+      case 2: block_rows<BITS, 2>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
+      case 3: block_rows<BITS, 3>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
+      default: block_rows<BITS, 4>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask);
+    }
+  }
+}
+
+template <typename TIn, typename TOut>
+void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+         const float* bias, int64_t bits, at::Tensor& out) {
+  const int64_t rows = x.size(0), in_features = x.size(1), groups = in_features / GROUP;
+  const int64_t out_features = out.size(1), blocks = (out_features + LANES - 1) / LANES;
+  at::Tensor q = at::empty({2, rows, in_features}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({2, rows, groups}, x.options().dtype(at::kFloat));
+  int8_t *qp = q.data_ptr<int8_t>(), *rp = qp + rows * in_features;
+  float *dx = scales.data_ptr<float>(), *sx = dx + rows * groups;
+  const TIn* xp = x.data_ptr<TIn>();
+  for (int64_t r = 0; r < rows; ++r)
+    quantise_row(xp + r * in_features, groups, qp + r * in_features, rp + r * in_features,
+                 dx + r * groups, sx + r * groups);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  TOut* op = out.data_ptr<TOut>();
+  const int64_t block_bytes = groups * LANES * GROUP * bits / 8;
+  // About 64k products a task: fewer, and the threads' start costs more than they share.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (LANES * in_features * rows));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      int64_t left = out_features - b * LANES;
+      __mmask16 mask = left >= LANES ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      const float* bb = bias ? bias + b * LANES : nullptr;
+      const uint8_t* c = cp + b * block_bytes;
+      const float *db = dp + b * groups * LANES, *mb = mp + b * groups * LANES;
+      if (bits == 4)
+        block<4>(c, db, mb, groups, qp, rp, dx, sx, rows, in_features, bb, op + b * LANES,
+                 out_features, mask);
+      else
+        block<8>(c, db, mb, groups, qp, rp, dx, sx, rows, in_features, bb, op + b * LANES,
+                 out_features, mask);
+    }
+  });
+}
+
+bool supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// x [rows, in] (float or bfloat16, contiguous); codes, d, m packed; bias [out] float or None.
+// Returns [rows, out] in x's dtype, or float with out_float.
+at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+              const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t out_features,
+              int64_t bits, bool out_float) {
+  TORCH_CHECK(supported(), "this CPU lacks AVX512-VNNI");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % GROUP == 0,
+              "x must be a contiguous [rows, in] matrix with in a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const int64_t groups = x.size(1) / GROUP, blocks = (out_features + LANES - 1) / LANES;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  codes.numel() == blocks * groups * LANES * GROUP * bits / 8,
+              "codes do not match the shape");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && d.is_contiguous() &&
+                  m.is_contiguous() && d.numel() == blocks * groups * LANES && m.numel() == d.numel(),
+              "scales do not match the shape");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == out_features, "bias must be float32 [out]");
+    bp = bias->data_ptr<float>();
+  }
+  bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty({x.size(0), out_features},
+                             x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
+  if (bf16 && out_float) run<at::BFloat16, float>(x, codes, d, m, bp, bits, out);
+  else if (bf16) run<at::BFloat16, at::BFloat16>(x, codes, d, m, bp, bits, out);
+  else run<float, float>(x, codes, d, m, bp, bits, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(voiceagent_int, lib) {
+  lib.def("supported", []() { return supported(); });
+  lib.def("mm(Tensor x, Tensor codes, Tensor d, Tensor m, Tensor? bias, int out_features, "
+          "int bits, bool out_float) -> Tensor", &mm);
+}
