@@ -20,6 +20,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 namespace {
 
@@ -47,6 +49,12 @@ VNNI inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(p, mask, half);
 }
 
+inline int32_t four(const int8_t* p) {  // four codes as one lane's operand
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 // One row's inputs to two int8 codes per group, x ~ dx (q + r / 128): q = round(x / dx) with
 // dx = max|x| / 127, and the remainder's r = round(128 (x / dx - q)) in -64..64; and
 // sx = dx * (sum(q) + sum(r) / 128) (what a group's m multiplies).
@@ -56,8 +64,12 @@ VNNI void quantise_row(const T* x, int64_t groups, int8_t* q, int8_t* r, float* 
   for (int64_t g = 0; g < groups; ++g) {
     __m512 a = load16(x + g * GROUP), b = load16(x + g * GROUP + LANES);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    // max drops NaNs: a NaN input makes the group's scale NaN, so that the outputs say so
+    if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q))
+      amax = std::numeric_limits<float>::quiet_NaN();
     float d = amax / 127.0f;
-    __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    // a subnormal scale's inverse overflows: such a group counts as zeros
+    __m512 inv = _mm512_set1_ps(d >= std::numeric_limits<float>::min() ? 1.0f / d : 0.0f);
     __m512 sa = _mm512_mul_ps(a, inv), sb = _mm512_mul_ps(b, inv);
     __m512i qa = _mm512_cvtps_epi32(sa), qb = _mm512_cvtps_epi32(sb);
     __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sa, _mm512_cvtepi32_ps(qa)), fine));
@@ -67,7 +79,7 @@ VNNI void quantise_row(const T* x, int64_t groups, int8_t* q, int8_t* r, float* 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(r + g * GROUP), _mm512_cvtsepi32_epi8(ra));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(r + g * GROUP + LANES), _mm512_cvtsepi32_epi8(rb));
     dx[g] = d / 128.0f;
-    int32_t total = (_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) << 7) +
+    int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) * 128 +
                     _mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb));
     sx[g] = dx[g] * static_cast<float>(total);
   }
@@ -96,12 +108,11 @@ VNNI void block_rows(const uint8_t* codes, const float* d, const float* m, int64
     }
     __m512 dv = load16(d + g * LANES), mv = load16(m + g * LANES);
     for (int r = 0; r < R; ++r) {
-      const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * in_features + g * GROUP);
-      const int32_t* rr = reinterpret_cast<const int32_t*>(rq + r * in_features + g * GROUP);
+      const int8_t *qr = q + r * in_features + g * GROUP, *rr = rq + r * in_features + g * GROUP;
       __m512i dot = _mm512_setzero_si512(), rest = _mm512_setzero_si512();
       for (int c = 0; c < 8; ++c) {
-        dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(qr[c]));
-        rest = _mm512_dpbusd_epi32(rest, w[c], _mm512_set1_epi32(rr[c]));
+        dot = _mm512_dpbusd_epi32(dot, w[c], _mm512_set1_epi32(four(qr + 4 * c)));
+        rest = _mm512_dpbusd_epi32(rest, w[c], _mm512_set1_epi32(four(rr + 4 * c)));
       }
       dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 7), rest);
       __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(dx[r * groups + g]));
@@ -181,6 +192,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
               const at::Tensor& m, const std::optional<at::Tensor>& bias, int64_t out_features,
               int64_t bits, bool out_float) {
   TORCH_CHECK(supported(), "this CPU lacks AVX512-VNNI");
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "the int kernel runs on a CPU");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % GROUP == 0,
               "x must be a contiguous [rows, in] matrix with in a multiple of 32");
@@ -202,6 +214,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
   bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor out = at::empty({x.size(0), out_features},
                              x.options().dtype(out_float ? at::kFloat : x.scalar_type()));
+  if (x.size(0) == 0) return out;
   if (bf16 && out_float) run<at::BFloat16, float>(x, codes, d, m, bp, bits, out);
   else if (bf16) run<at::BFloat16, at::BFloat16>(x, codes, d, m, bp, bits, out);
   else run<float, float>(x, codes, d, m, bp, bits, out);

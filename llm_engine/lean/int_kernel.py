@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -48,9 +51,7 @@ def enabled() -> bool:
 
 def name() -> str:
     """What runs the q4 and q8 layers built now, for the keys of cached measurements."""
-    if not enabled():
-        return "torch"
-    return "own-" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return f"own-{_digest()}" if enabled() else "torch"
 
 
 @cache
@@ -63,21 +64,59 @@ def available() -> bool:
     return not reason
 
 
+def build_dir() -> Path:
+    """Where this source, torch and flags' build lives: VOICEAGENT_KERNEL_DIR, else the
+    environment's share/voiceagent/kernels (set-up builds it there, the service loads it)."""
+    root = os.environ.get("VOICEAGENT_KERNEL_DIR") or Path(sys.prefix) / "share/voiceagent/kernels"
+    return Path(root) / _digest()
+
+
+@cache
+def _digest() -> str:
+    """The build's identity: the source, torch's version and the compiler flags."""
+    text = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(_FLAGS)}".encode()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+_FLAGS = ("-O3", "-fopenmp")
+_STALE_LOCK_S = 600  # a build killed part-way leaves its lock; torch would wait on it forever
+
+
 def _load() -> str:
     """An empty string when loaded and runnable, else why not."""
     capability = torch.backends.cpu.get_cpu_capability()
     if not sys.platform.startswith("linux") or not capability.startswith("AVX512"):
         return f"it needs Linux on an AVX512 CPU (torch sees {capability})"
+    folder = build_dir()
+    library = folder / "voiceagent_int.so"
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name="voiceagent_int", sources=[str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except (OSError, RuntimeError, ImportError, SystemExit) as err:
-        return f"it could not be built ({str(err).strip().splitlines()[-1] if str(err) else err!r})"
+        try:
+            torch.ops.load_library(str(library))
+        except OSError:  # not built yet, or left half-written by a killed build
+            library.unlink(missing_ok=True)
+            _build(folder)
+    except Exception as err:  # noqa: BLE001 - any failure to build or load means torch's kernels
+        last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
+        return f"it could not be built or loaded in {folder} ({last})"
     if not torch.ops.voiceagent_int.supported():
         return "this CPU lacks AVX512-VNNI"
     return ""
+
+
+def _build(folder: Path) -> None:
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    venv_bin = Path(sys.executable).parent  # pip's ninja, where the shell's PATH lacks one
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    log.info("building our own int kernel in %s (seconds, once)", folder)
+    cpp_extension.load(name="voiceagent_int", sources=[str(SOURCE)], is_python_module=False,
+                       build_directory=str(folder), extra_cflags=list(_FLAGS),
+                       extra_ldflags=["-fopenmp"])
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -116,14 +155,29 @@ class Packed:
         self.codes = pack(codes, bits)
         self.d, self.m = pack_scales(d), pack_scales(m)
         self.bias = None if bias is None else bias.float().contiguous()
+        self._op = torch.ops.voiceagent_int.mm.default
 
     def mm(self, x: torch.Tensor, out_float: bool = False) -> torch.Tensor:
         """x [..., in] (float32 or bfloat16) times the weight: [..., out] in x's dtype, or
         float32 with out_float."""
+        if x.dim() == 2 and x.is_contiguous():  # the forward's rows: no reshapes on the hot path
+            return self._op(x, self.codes, self.d, self.m, self.bias, self.out_features,
+                            self.bits, out_float)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.ops.voiceagent_int.mm(rows, self.codes, self.d, self.m, self.bias,
-                                          self.out_features, self.bits, out_float)
+        out = self._op(rows, self.codes, self.d, self.m, self.bias, self.out_features, self.bits,
+                       out_float)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantised(self) -> torch.Tensor:
+        """The weights [out, in] as the kernel reads them back from its layout, in float32."""
+        blocks, groups = self.d.shape[:2]
+        chunks = self.codes.reshape(blocks, groups, -1, LANES, 4)
+        if self.bits == 4:  # chunk 2p low nibble, 2p + 1 high
+            chunks = torch.stack([chunks & 15, chunks >> 4], dim=3).reshape(
+                blocks, groups, 8, LANES, 4)
+        codes = chunks.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, groups, GROUP).float()
+        d, m = (t.permute(0, 2, 1).reshape(blocks * LANES, groups, 1) for t in (self.d, self.m))
+        return (codes * d + m).reshape(blocks * LANES, -1)[: self.out_features]
 
 
 def main() -> int:

@@ -89,7 +89,7 @@ class Int4Linear(nn.Module):
         self.codes = codes.to(torch.uint8)  # kept unpacked: what the tests compare with the file
         self.scales, self.mins = scales.float(), mins.float()  # kept for `concat`
         self.bias = None if bias is None else bias.to(dtype)
-        self.own = _own(self.codes, self.scales, self.mins, 4, bias)
+        self.own = _own(self.codes, self.scales, self.mins, 4, self.bias)
         if self.own is None:
             # torch's kernels: w = (q - 8) * scale + zero, [in / GROUP, out, 2] in the activations'
             # dtype
@@ -116,9 +116,9 @@ class Int4Linear(nn.Module):
 
     def dequantised(self) -> torch.Tensor:
         """The weights the kernel multiplies by (torch's: the scales rounded to the dtype)."""
-        q = self.codes.float().reshape(self.out_features, -1, GROUP)
         if self.own is not None:
-            return (q * self.scales[..., None] + self.mins[..., None]).reshape(self.codes.shape)
+            return self.own.dequantised()
+        q = self.codes.float().reshape(self.out_features, -1, GROUP)
         sz = self.scales_zeros.float()  # [groups, out, 2]
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [out, groups]
         return ((q - 8) * scales[..., None] + zeros[..., None]).reshape(self.codes.shape)
@@ -154,8 +154,6 @@ class Q8Linear(nn.Module):
             self.scales_zeros = torch.stack([torch.cat([16 * d, d]).t(),
                                              torch.cat([8 * d, torch.zeros_like(d)]).t()],
                                             dim=-1).to(dtype).contiguous()  # [groups, 2 out, 2]
-        else:
-            self.scales = d
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own is not None:
@@ -166,9 +164,9 @@ class Q8Linear(nn.Module):
 
     def dequantised(self) -> torch.Tensor:
         """The weights the kernel multiplies by (torch's: the scales rounded to the dtype)."""
-        q = self.codes.to(torch.int32).reshape(self.out_features, -1, GROUP)
         if self.own is not None:
-            return (q.float() * self.scales[..., None]).reshape(self.codes.shape)
+            return self.own.dequantised()
+        q = self.codes.to(torch.int32).reshape(self.out_features, -1, GROUP)
         sz = self.scales_zeros.float()  # [groups, 2 out, 2]
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [2 out, groups]
         codes = torch.cat([(q >> 4) + 8, q & 15]).float()  # [2 out, groups, GROUP]

@@ -41,10 +41,11 @@ def test_the_product_is_the_weights_times_the_rows_quantised_per_group(bits, dty
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_rows_outputs_are_bit_identical_whatever_rows_share_the_product(bits):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_outputs_are_bit_identical_whatever_rows_share_the_product(bits, dtype):
     codes, d, m = weight(200, 128, bits)
     packed = int_kernel.Packed(codes, d, m, bits)
-    x = torch.randn(12, 128).bfloat16()
+    x = torch.randn(12, 128).to(dtype)
     together = packed.mm(x)
     for rows in (1, 2, 3, 4, 5, 11):
         assert torch.equal(packed.mm(x[:rows]), together[:rows]), rows
@@ -115,8 +116,43 @@ def test_q4_layers_take_our_kernel_unless_torchs_is_asked_for():
 
 def test_fused_layers_keep_each_ones_weights(int_kernel_choice):
     parts = [weight(32, 64, 4, seed) for seed in (1, 2)]
-    layers = [linear.Int4Linear(c, d, m, torch.bfloat16) for c, d, m in parts]
+    layers = [linear.Int4Linear(c, d, m, torch.bfloat16, torch.randn(32)) for c, d, m in parts]
     fused = linear.concat(layers)
     assert torch.equal(fused.dequantised(), torch.cat([layer.dequantised() for layer in layers]))
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], dim=-1))
+
+
+def test_the_largest_codes_and_activations_do_not_overflow():
+    # every code at its top, every activation at its group's maximum or at a half-way remainder
+    for bits in (4, 8):
+        codes = torch.full((16, 32 * 64), 2 ** bits - 1, dtype=torch.uint8)
+        d = torch.full((16, 64), 1.0)
+        m = torch.zeros(16, 64)
+        packed = int_kernel.Packed(codes, d, m, bits)
+        x = torch.full((2, 32 * 64), 127.0)
+        x[1, 1::2] = 127.0 * (3.5 + 0.5 / 128) / 127  # x / dx = 3.5 + 1/256: r rounds to 64
+        want = quantised_rows(x) @ dequantised(codes, d, m).t()
+        torch.testing.assert_close(packed.mm(x, out_float=True).double(), want, rtol=1e-6, atol=0)
+
+
+def test_no_rows_give_no_outputs():
+    codes, d, m = weight(32, 64, 4)
+    out = int_kernel.Packed(codes, d, m, 4).mm(torch.zeros(0, 64))
+    assert out.shape == (0, 32)
+
+
+def test_a_nan_activation_gives_nan_outputs_not_numbers():
+    codes, d, m = weight(32, 64, 4)
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    out = int_kernel.Packed(codes, d, m, 4).mm(x, out_float=True)
+    assert out[0].isfinite().all() and out[1].isnan().all()
+
+
+def test_the_layout_reads_back_as_the_weights():
+    for bits in (4, 8):
+        codes, d, m = weight(40, 96, bits)
+        packed = int_kernel.Packed(codes, d, m, bits)
+        want = codes.float().reshape(40, 3, 32) * d[..., None] + m[..., None]  # as fp32 rounds
+        assert torch.equal(packed.dequantised(), want.reshape(40, 96))

@@ -52,7 +52,7 @@ def test_the_float32_lean_forward_computes_hfs_logits(target):
                                                                   "attention-fp32"])
 @pytest.mark.parametrize("fmt", LEAN_FORMATS)
 def test_a_rows_logits_do_not_depend_on_how_many_rows_the_forward_carried(
-        target, fmt, attention):
+        target, fmt, attention, int_kernel_choice):
     runner = invariant(target, fmt, attention)
     ids = torch.tensor([random_prompts(target.config.vocab_size, 1, seed=5)[0] * 4])
     start = 60  # the rows cross a 64-key block
@@ -73,7 +73,7 @@ def test_a_rows_logits_do_not_depend_on_how_many_rows_the_forward_carried(
 @pytest.mark.parametrize("fmt,attention", [("q4", None), ("bfloat16", None),
                                             ("q4", torch.float32)])
 def test_greedy_speculation_on_the_lean_runner_equals_its_plain_decoding(
-        target, draft, tokenizer, fmt, attention):
+        target, draft, tokenizer, fmt, attention, int_kernel_choice):
     runner = invariant(target, fmt, attention)
     config = EngineConfig(sampling=SamplingConfig(max_new_tokens=NEW_TOKENS), max_context=256,
                           speculation=SpeculationConfig(method="off", max_draft_tokens=5))
