@@ -58,9 +58,10 @@ def name() -> str:
 def available() -> bool:
     """Whether the kernel is built and this CPU runs it (built on the first call)."""
     reason = _load()
-    if reason:
-        log.warning("own int kernel not used: %s; q4 and q8 layers run on torch's kernels",
-                    reason)
+    if reason:  # a CPU without the instructions is expected; a failed build is not
+        level = logging.WARNING if "built" in reason else logging.INFO
+        log.log(level, "own int kernel not used: %s; q4 and q8 layers run on torch's kernels",
+                reason)
     return not reason
 
 
