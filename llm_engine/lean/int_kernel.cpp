@@ -5,8 +5,8 @@
 //
 // Why: torch's int4 CPU kernel pays an fp32 FMA for every weight of every extra row, so rows
 // sharing a forward cost nearly as much as forwards apart. Int8 activations alone (llama.cpp's
-// q8_1) cost the embedded target 4 points of top-1 agreement with fp32; the remainder code buys
-// them back for a second vpdpbusd per chunk. Each row runs the same instructions whatever the
+// q8_1) took the embedded target's top-1 agreement with fp32 from 0.967 (torch's kernel) to
+// 0.954; with the remainder code it is 0.994, for a second vpdpbusd per chunk. Each row runs the same instructions whatever the
 // row count, so a row's outputs are bit-identical alone or batched (the engine's speculation
 // depends on it).
 //
@@ -181,9 +181,12 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
 }
 
 bool supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }();
+  return ok;
 }
 
 // x [rows, in] (float or bfloat16, contiguous); codes, d, m packed; bias [out] float or None.

@@ -9,20 +9,21 @@ dropped the embedded target's top-1 agreement with fp32 from 0.967 (torch's kern
 with r it is 0.994 (Intel Xeon, 2026-12-06). A row's outputs do not depend on the other rows (each
 runs the same instructions), so the engine's bit-identity holds.
 
-It is compiled with torch's C++ extension builder on first use (or by
-`python -m llm_engine.lean.int_kernel` at set-up) into torch's extension folder
-(TORCH_EXTENSIONS_DIR). Where it cannot be built or the CPU lacks AVX512-VNNI, `available` says
-why once and the lean layers keep torch's kernels.
+It is compiled with torch's C++ extension builder by `python -m llm_engine.lean.int_kernel`
+(scripts/setup.sh runs it), or on first use, into `build_dir()`: VOICEAGENT_KERNEL_DIR, else the
+environment's share/voiceagent/kernels, one folder per source, torch version and flags; a service
+user who cannot write there loads what set-up built. Where it cannot be built or the CPU lacks
+AVX512-VNNI, `available` says why once and the lean layers keep torch's kernels.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sys
-import time
 from functools import cache
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def use(wanted: bool) -> None:
     """Whether layers built from now on take the kernel where it runs (`engine.int_kernel`)."""
     global _wanted
     _wanted = wanted
+
+
+def wanted() -> bool:
+    """What `use` last asked for."""
+    return _wanted
 
 
 def enabled() -> bool:
@@ -80,7 +86,6 @@ def _digest() -> str:
 
 
 _FLAGS = ("-O3", "-fopenmp")
-_STALE_LOCK_S = 600  # a build killed part-way leaves its lock; torch would wait on it forever
 
 
 def _load() -> str:
@@ -88,29 +93,42 @@ def _load() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     if not sys.platform.startswith("linux") or not capability.startswith("AVX512"):
         return f"it needs Linux on an AVX512 CPU (torch sees {capability})"
-    folder = build_dir()
-    library = folder / "voiceagent_int.so"
     try:
-        try:
-            torch.ops.load_library(str(library))
-        except OSError:  # not built yet, or left half-written by a killed build
-            library.unlink(missing_ok=True)
-            _build(folder)
+        _load_or_build(build_dir())
     except Exception as err:  # noqa: BLE001 - any failure to build or load means torch's kernels
         last = str(err).strip().splitlines()[-1] if str(err).strip() else repr(err)
-        return f"it could not be built or loaded in {folder} ({last})"
+        return f"it could not be built or loaded in {build_dir()} ({last})"
     if not torch.ops.voiceagent_int.supported():
         return "this CPU lacks AVX512-VNNI"
     return ""
 
 
+def _load_or_build(folder: Path) -> None:
+    """Load the library, building it first where it is missing or unreadable. One process at a
+    time, under a lock the OS drops when its holder dies (torch's own build lock would leave a
+    file behind that every later build waits on forever)."""
+    library = folder / "voiceagent_int.so"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = (folder / "build.lock").open("a")
+    except OSError:  # an install this user cannot write to: what set-up built, or nothing
+        torch.ops.load_library(str(library))
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:  # not built yet, or left half-written by a build that died
+            pass
+        (folder / "lock").unlink(missing_ok=True)  # torch's, from a build that died
+        library.unlink(missing_ok=True)
+        _build(folder)
+
+
 def _build(folder: Path) -> None:
     from torch.utils import cpp_extension
 
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
     venv_bin = Path(sys.executable).parent  # pip's ninja, where the shell's PATH lacks one
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -169,16 +187,23 @@ class Packed:
                        out_float)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def dequantised(self) -> torch.Tensor:
-        """The weights [out, in] as the kernel reads them back from its layout, in float32."""
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes [out, in] (uint8), d and m [out, in / GROUP] read back from the layout."""
         blocks, groups = self.d.shape[:2]
         chunks = self.codes.reshape(blocks, groups, -1, LANES, 4)
         if self.bits == 4:  # chunk 2p low nibble, 2p + 1 high
             chunks = torch.stack([chunks & 15, chunks >> 4], dim=3).reshape(
                 blocks, groups, 8, LANES, 4)
-        codes = chunks.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, groups, GROUP).float()
-        d, m = (t.permute(0, 2, 1).reshape(blocks * LANES, groups, 1) for t in (self.d, self.m))
-        return (codes * d + m).reshape(blocks * LANES, -1)[: self.out_features]
+        codes = chunks.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, groups * GROUP)
+        d, m = (t.permute(0, 2, 1).reshape(blocks * LANES, groups) for t in (self.d, self.m))
+        n = self.out_features
+        return codes[:n], d[:n], m[:n]
+
+    def dequantised(self) -> torch.Tensor:
+        """The weights [out, in] as the kernel reads them from its layout, in float32."""
+        codes, d, m = self.unpacked()
+        q = codes.float().reshape(*d.shape, GROUP)
+        return (q * d[..., None] + m[..., None]).reshape(codes.shape)
 
 
 def main() -> int:

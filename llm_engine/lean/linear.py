@@ -86,17 +86,30 @@ class Int4Linear(nn.Module):
             raise ValueError(f"a q4 weight needs inputs in groups of {GROUP} and outputs in "
                              f"eights; got {out_features} x {in_features}")
         self.out_features, self.in_features, self.dtype = out_features, in_features, dtype
-        self.codes = codes.to(torch.uint8)  # kept unpacked: what the tests compare with the file
-        self.scales, self.mins = scales.float(), mins.float()  # kept for `concat`
         self.bias = None if bias is None else bias.to(dtype)
-        self.own = _own(self.codes, self.scales, self.mins, 4, self.bias)
+        codes = codes.to(torch.uint8)
+        self.own = _own(codes, scales.float(), mins.float(), 4, self.bias)
         if self.own is None:
             # torch's kernels: w = (q - 8) * scale + zero, [in / GROUP, out, 2] in the activations'
-            # dtype
-            zeros = self.mins + 8 * self.scales
-            self.scales_zeros = torch.stack([self.scales.t(), zeros.t()], dim=-1).to(dtype) \
+            # dtype; the codes kept unpacked (what the tests compare with the file, `concat`)
+            self._codes = codes
+            zeros = mins.float() + 8 * scales.float()
+            self.scales_zeros = torch.stack([scales.float().t(), zeros.t()], dim=-1).to(dtype) \
                 .contiguous()
-            self.packed = _pack(self.codes)
+            self.packed = _pack(codes)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes [out, in] (read back from our kernel's layout where it runs)."""
+        return self.own.unpacked()[0] if self.own is not None else self._codes
+
+    def scales_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's scale and minimum [out, in / GROUP], float32, as the kernel has them."""
+        if self.own is not None:
+            return self.own.unpacked()[1:]
+        sz = self.scales_zeros.float()  # [groups, out, 2]
+        scales = sz[..., 0].t()
+        return scales, sz[..., 1].t() - 8 * scales
 
     @classmethod
     def quantise(cls, weight: torch.Tensor, dtype: torch.dtype,
@@ -118,10 +131,10 @@ class Int4Linear(nn.Module):
         """The weights the kernel multiplies by (torch's: the scales rounded to the dtype)."""
         if self.own is not None:
             return self.own.dequantised()
-        q = self.codes.float().reshape(self.out_features, -1, GROUP)
+        q = self._codes.float().reshape(self.out_features, -1, GROUP)
         sz = self.scales_zeros.float()  # [groups, out, 2]
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [out, groups]
-        return ((q - 8) * scales[..., None] + zeros[..., None]).reshape(self.codes.shape)
+        return ((q - 8) * scales[..., None] + zeros[..., None]).reshape(q.shape[0], -1)
 
 
 class Q8Linear(nn.Module):
@@ -142,18 +155,25 @@ class Q8Linear(nn.Module):
             raise ValueError(f"a q8 weight needs inputs in groups of {GROUP} and outputs in "
                              f"fours; got {out_features} x {in_features}")
         self.out_features = out_features
-        self.codes = codes.to(torch.int8)  # kept: what the tests compare with the file
+        codes = codes.to(torch.int8)
         self.bias = None if bias is None else bias.float()
         d = scales.float()
-        self.own = _own((self.codes.to(torch.int16) + 128).to(torch.uint8), d, -128 * d, 8,
-                        self.bias)
+        self.own = _own((codes.to(torch.int16) + 128).to(torch.uint8), d, -128 * d, 8, self.bias)
         if self.own is None:
-            halves = torch.cat([(self.codes >> 4).to(torch.uint8) + 8,  # >> floors: -8..7 -> 0..15
-                                (self.codes & 15).to(torch.uint8)])
+            self._codes = codes  # kept: what the tests compare with the file
+            halves = torch.cat([(codes >> 4).to(torch.uint8) + 8,  # >> floors: -8..7 -> 0..15
+                                (codes & 15).to(torch.uint8)])
             self.packed = _pack(halves)
             self.scales_zeros = torch.stack([torch.cat([16 * d, d]).t(),
                                              torch.cat([8 * d, torch.zeros_like(d)]).t()],
                                             dim=-1).to(dtype).contiguous()  # [groups, 2 out, 2]
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The 8-bit codes [out, in] (read back from our kernel's layout where it runs)."""
+        if self.own is None:
+            return self._codes
+        return (self.own.unpacked()[0].to(torch.int16) - 128).to(torch.int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own is not None:
@@ -166,12 +186,12 @@ class Q8Linear(nn.Module):
         """The weights the kernel multiplies by (torch's: the scales rounded to the dtype)."""
         if self.own is not None:
             return self.own.dequantised()
-        q = self.codes.to(torch.int32).reshape(self.out_features, -1, GROUP)
+        q = self._codes.to(torch.int32).reshape(self.out_features, -1, GROUP)
         sz = self.scales_zeros.float()  # [groups, 2 out, 2]
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()  # [2 out, groups]
         codes = torch.cat([(q >> 4) + 8, q & 15]).float()  # [2 out, groups, GROUP]
         w = (codes - 8) * scales[..., None] + zeros[..., None]
-        return (w[: self.out_features] + w[self.out_features :]).reshape(self.codes.shape)
+        return (w[: self.out_features] + w[self.out_features :]).reshape(self.out_features, -1)
 
 
 def _own(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
@@ -209,6 +229,6 @@ def concat(layers: list[nn.Module]) -> nn.Module:
     if isinstance(first, Int8Linear):
         return Int8Linear(torch.cat([layer.codes for layer in layers]),
                           torch.cat([layer.scales for layer in layers]), bias)
-    return Int4Linear(torch.cat([layer.codes for layer in layers]),
-                      torch.cat([layer.scales for layer in layers]),
-                      torch.cat([layer.mins for layer in layers]), first.dtype, bias)
+    scales, mins = zip(*(layer.scales_mins() for layer in layers), strict=True)
+    return Int4Linear(torch.cat([layer.codes for layer in layers]), torch.cat(scales),
+                      torch.cat(mins), first.dtype, bias)

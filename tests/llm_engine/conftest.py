@@ -26,6 +26,7 @@ def int_kernel_choice(request):
 
     if request.param == "own" and not int_kernel.available():
         pytest.skip("our own int kernel does not run here (no AVX512-VNNI, or no compiler)")
+    before = int_kernel.wanted()
     int_kernel.use(request.param == "own")
     yield request.param
-    int_kernel.use(True)
+    int_kernel.use(before)
