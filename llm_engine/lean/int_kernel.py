@@ -3,11 +3,12 @@
 torch's int4 CPU kernel multiplies every weight of every row in fp32, so the rows of a shared
 forward cost nearly what separate forwards do. This one quantises each activation row per group
 of 32 to two int8 codes, x ~ dx (q + r / 128), and takes each group's dot products with
-AVX512-VNNI's vpdpbusd, four products a lane, leaving the per-group scales in fp32. With the
-remainder r the activations keep about 14 bits (bf16 keeps 8); int8 alone (llama.cpp's q8_1)
-dropped the embedded target's top-1 agreement with fp32 from 0.967 (torch's kernel) to 0.954, and
-with r it is 0.994 (Intel Xeon, 2026-12-06). A row's outputs do not depend on the other rows (each
-runs the same instructions), so the engine's bit-identity holds.
+AVX512-VNNI's vpdpbusd, four products a lane, then applies the per-group scales (fp16, as a
+GGUF stores them) in fp32. With the remainder r the activations keep about 14 bits (bf16 keeps
+8); int8 alone (llama.cpp's q8_1) dropped the embedded target's top-1 agreement with fp32 from
+0.967 (torch's kernel) to 0.954, and with r it is 0.994 (Intel Xeon, 2026-12-06). A row's
+outputs do not depend on the other rows (each runs the same instructions), so the engine's
+bit-identity holds.
 
 It is compiled with torch's C++ extension builder by `python -m llm_engine.lean.int_kernel`
 (scripts/setup.sh runs it), or on first use, into `build_dir()`: VOICEAGENT_KERNEL_DIR, else the
@@ -154,16 +155,29 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_scales(values: torch.Tensor) -> torch.Tensor:
-    """Per-group floats [out, groups] as [block, group, 16 outputs] float32."""
+    """Per-group floats [out, groups] as [block, group, 16 outputs] float16 (a GGUF's scales
+    and minima are fp16: exact)."""
     out_features, groups = values.shape
     blocks = -(-out_features // LANES)
-    padded = torch.zeros(blocks * LANES, groups, dtype=torch.float32)
-    padded[:out_features] = values.float().cpu()
+    padded = torch.zeros(blocks * LANES, groups, dtype=torch.float16)
+    padded[:out_features] = values.cpu()
     return padded.reshape(blocks, LANES, groups).permute(0, 2, 1).contiguous()
 
 
+def fits(*values: torch.Tensor) -> bool:
+    """Whether per-group scales keep their value in fp16 to 2^-10 (a GGUF's are fp16 already;
+    ones quantised here may fall out of its range or into its subnormals)."""
+    for v in values:
+        v = v.float()
+        half = v.half().float()
+        if not (half.isfinite().all() and ((half - v).abs() <= v.abs() * 2.0 ** -10).all()):
+            return False
+    return True
+
+
 class Packed:
-    """One weight, w = d * u + m per group of GROUP inputs, in the kernel's layout."""
+    """One weight, w = d * u + m per group of GROUP inputs, in the kernel's layout (d and m in
+    fp16: `fits` says whether they can be)."""
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None):
@@ -195,7 +209,8 @@ class Packed:
             chunks = torch.stack([chunks & 15, chunks >> 4], dim=3).reshape(
                 blocks, groups, 8, LANES, 4)
         codes = chunks.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, groups * GROUP)
-        d, m = (t.permute(0, 2, 1).reshape(blocks * LANES, groups) for t in (self.d, self.m))
+        d, m = (t.permute(0, 2, 1).reshape(blocks * LANES, groups).float()
+                for t in (self.d, self.m))
         n = self.out_features
         return codes[:n], d[:n], m[:n]
 

@@ -197,7 +197,8 @@ class Q8Linear(nn.Module):
 def _own(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int,
          bias: torch.Tensor | None) -> int_kernel.Packed | None:
     """The weight packed for our own kernel, where it runs on the weight's device; else None."""
-    if codes.device.type != "cpu" or not int_kernel.enabled():
+    if codes.device.type != "cpu" or not int_kernel.enabled() \
+            or not int_kernel.fits(scales, mins):
         return None
     return int_kernel.Packed(codes, scales, mins, bits, bias)
 

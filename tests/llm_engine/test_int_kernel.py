@@ -16,9 +16,9 @@ def weight(out_features: int, in_features: int, bits: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2 ** bits, (out_features, in_features), generator=generator,
                           dtype=torch.uint8)
-    d = torch.rand(out_features, in_features // 32, generator=generator) * 0.01
+    d = 0.001 + torch.rand(out_features, in_features // 32, generator=generator) * 0.01
     m = -d * 2 ** (bits - 1) + torch.randn(d.shape, generator=generator) * 0.001
-    return codes, d, m
+    return codes, d.half().float(), m.half().float()  # as a GGUF stores them
 
 
 def dequantised(codes, d, m):
@@ -156,3 +156,12 @@ def test_the_layout_reads_back_as_the_weights():
         packed = int_kernel.Packed(codes, d, m, bits)
         want = codes.float().reshape(40, 3, 32) * d[..., None] + m[..., None]  # as fp32 rounds
         assert torch.equal(packed.dequantised(), want.reshape(40, 96))
+
+
+def test_scales_that_fp16_would_change_keep_torchs_kernel():
+    codes, d, m = weight(32, 64, 4)
+    assert int_kernel.fits(d, m)
+    assert not int_kernel.fits(d * 1e-4, m)  # fp16 subnormals: their digits would go
+    assert not int_kernel.fits(d, m * 1e6)  # past fp16's range
+    assert linear.Int4Linear(codes, d * 1e-4, m, torch.bfloat16).own is None
+    assert linear.Int4Linear(codes, d, m, torch.bfloat16).own is not None

@@ -123,9 +123,15 @@ def test_q4_quantisation_rounds_each_weight_to_its_groups_grid():
     torch.manual_seed(0)
     weight = torch.randn(16, 64)
     layer = linear.Int4Linear.quantise(weight, torch.float32)
-    step = (weight.reshape(16, 2, 32).amax(-1) - weight.reshape(16, 2, 32).amin(-1)) / 15
+    low = weight.reshape(16, 2, 32).amin(-1)
+    step = (weight.reshape(16, 2, 32).amax(-1) - low) / 15
+    # the grid as the kernel keeps it (our kernel: scale and minimum in fp16) moves each point
+    # by at most the change in the minimum and 15 times the change in the step
+    scales, mins = layer.scales_mins()
+    moved = (mins - low).abs() + 15 * (scales - step).abs()
     error = (layer.dequantised() - weight).abs().reshape(16, 2, 32)
-    assert (error <= step[..., None] / 2 + 1e-6).all()
+    assert (error <= (step / 2 + moved)[..., None] + 1e-6).all()
+    assert (moved <= 2.0 ** -10 * (low.abs() + 15 * step)).all()  # fp16's rounding at most
     assert layer.codes.max() <= 15
 
 
