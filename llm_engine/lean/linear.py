@@ -7,8 +7,8 @@
   codes unchanged, `llm_engine.lean.gguf`).
 - q8 in groups of 32 (a GGUF's Q8_0 head, w = d * q).
 q4 and q8 run on our own AVX512-VNNI kernel where it is built and the CPU has it
-(`llm_engine.lean.int_kernel`): activations quantised to int8 per row and group, integer dot
-products, a row's cost a fraction of torch's. Elsewhere torch's: q4 on
+(`llm_engine.lean.int_kernel`): each activation row as two int8 codes per group, integer dot
+products, an extra row's cost a fraction of torch's. Elsewhere torch's: q4 on
 `aten._weight_int4pack_mm_for_cpu` (CPU) or `aten._weight_int4pack_mm` (CUDA, gpt-fast's int4
 path) as w = (q - 8) * scale + zero, scale = d and zero = m + 8d; q8 on the same int4 kernel over
 the codes' two nibbles, q = 16 hi + lo, as one product of twice the outputs whose halves are
