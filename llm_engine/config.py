@@ -116,8 +116,10 @@ class EngineConfig:
     # format_min_agreement, measured once per machine, model and torch version (cached).
     format: Literal["auto", "float32", "bfloat16", "float16", "int8", "q4"] = "auto"
     format_min_agreement: float = 0.95  # teacher-forced top-1 agreement with fp32, 0..1
-    # What runs q4 and q8 layers on a CPU: auto, our own AVX512-VNNI kernel where it builds and
-    # the CPU has it (`llm_engine.lean.int_kernel`), else torch's; torch: torch's int4 kernel.
+    # What runs the lean forward's layers on a CPU: auto, our own AVX512-VNNI kernels where they
+    # build and the CPU has them (`llm_engine.lean.int_kernel`: the q4 and q8 products, and each
+    # layer's norms, SiLU and short forwards' attention as one op each), else torch's; torch:
+    # torch's always (its int4 kernel and its small ops).
     int_kernel: Literal["auto", "torch"] = "auto"
     # How the target runs: eager (any HF causal LM), compiled (static cache, torch.compile, CUDA
     # graphs on a GPU) or lean (`llm_engine.lean`: the Llama family's forward of our own, for

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from llm_engine import file_hash
+from llm_engine.lean import int_kernel
 from voiceagent import models
 from voiceagent.config import CONFIGS_DIR, DEFAULT_CONFIG, REPO_ROOT, config_path, load_config
 from voiceagent.models import EMBEDDED, ModelIntegrityError, ModelNotFound, resolve
@@ -55,8 +56,10 @@ def test_the_wheel_ships_every_config_and_prompt_set(wheel):
     assert not any(n.startswith("configs/") for n in names)  # no top-level configs package
 
 
-def test_the_wheel_ships_the_int_kernels_source(wheel):
-    assert "llm_engine/lean/int_kernel.cpp" in zipfile.ZipFile(wheel).namelist()
+def test_the_wheel_ships_our_kernels_sources(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for source in int_kernel.SOURCES:
+        assert f"llm_engine/lean/{source.name}" in names
 
 
 def test_the_wheel_metadata_declares_python_and_pins(wheel):

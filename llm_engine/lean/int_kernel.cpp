@@ -28,7 +28,7 @@ namespace {
 
 constexpr int64_t GROUP = 32;
 constexpr int64_t LANES = 16;
-constexpr int MAX_ROWS = 4;  // rows a pass over a block carries: accumulators stay in registers
+constexpr int MAX_ROWS = 8;  // rows a pass over a block carries: accumulators stay in registers
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -141,10 +141,11 @@ VNNI void block(const uint8_t* codes, const at::Half* d, const at::Half* m, int6
     const float *dxr = dx + r0 * groups, *sxr = sx + r0 * groups;
     T* o = out + r0 * out_stride;
     switch (std::min<int64_t>(MAX_ROWS, rows - r0)) {
-      case 1: block_rows<BITS, 1>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
-      case 2: block_rows<BITS, 2>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
-      case 3: block_rows<BITS, 3>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
-      default: block_rows<BITS, 4>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask);
+#define ROWS_CASE(R) \
+      case R: block_rows<BITS, R>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
+      ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+      default: block_rows<BITS, MAX_ROWS>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask);
+#undef ROWS_CASE
     }
   }
 }

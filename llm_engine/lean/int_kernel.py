@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 GROUP = 32
 LANES = 16  # outputs a block: one AVX512 register of int32 sums
-SOURCE = Path(__file__).with_name("int_kernel.cpp")
+# the products, and a decoder layer's small steps (norm, SiLU, attention: `layer_ops.cpp`)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int_kernel.cpp", "layer_ops.cpp"))
 
 
 _wanted = True
@@ -82,11 +83,13 @@ def build_dir() -> Path:
 @cache
 def _digest() -> str:
     """The build's identity: the source, torch's version and the compiler flags."""
-    text = SOURCE.read_bytes() + f"|{torch.__version__}|{' '.join(_FLAGS)}".encode()
+    text = b"".join(source.read_bytes() for source in SOURCES) + \
+        f"|{torch.__version__}|{' '.join(_FLAGS)}".encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
 
-_FLAGS = ("-O3", "-fopenmp")
+# No contraction of a product and a sum into one FMA: the layer ops round as torch's separate ops.
+_FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
 
 def _load() -> str:
@@ -133,10 +136,10 @@ def _build(folder: Path) -> None:
     venv_bin = Path(sys.executable).parent  # pip's ninja, where the shell's PATH lacks one
     if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
-    log.info("building our own int kernel in %s (seconds, once)", folder)
-    cpp_extension.load(name="voiceagent_int", sources=[str(SOURCE)], is_python_module=False,
-                       build_directory=str(folder), extra_cflags=list(_FLAGS),
-                       extra_ldflags=["-fopenmp"])
+    log.info("building our own kernels in %s (seconds, once)", folder)
+    cpp_extension.load(name="voiceagent_int", sources=[str(s) for s in SOURCES],
+                       is_python_module=False, build_directory=str(folder),
+                       extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"])
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llm_engine.lean import linear
+from llm_engine.lean import int_kernel, linear
 from llm_engine.lean.gguf import Q4Weight, Q8Weight, read_q4_1, read_q8_0_head
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -68,9 +68,14 @@ def activation_dtype(fmt: str, device: torch.device) -> torch.dtype:
 
 def fastest_attention_dtype(model: nn.Module, fmt: str, max_rows: int, keys: int = 256,
                             repeats: int = 15) -> torch.dtype:
-    """The format's activation dtype, or fp32 where the row attention (`_attend_rows`'s two
-    `bmm`s) runs clearly faster in fp32 on this machine, at 1 row and at `max_rows`, with the
-    model's heads. A GPU keeps the activation dtype.
+    """The format's activation dtype, or fp32 where the attention runs clearly faster in fp32 on
+    this machine, with the model's heads. A GPU keeps the activation dtype.
+
+    On torch's ops the measure is the row attention (`_attend_rows`'s two `bmm`s) at 1 row and
+    at `max_rows`. With our own layer ops (`LeanLlama.own_ops`) a short forward's attention gets
+    the same numbers from either cache (its keys and values are rounded to the activations' type
+    before they are written), and a bf16 cache is half the bytes to read; what differs is the
+    prefill's SDPA, measured over a chunk of 64 rows.
 
     The margin (fp32 at most 0.7x) keeps a near tie on the activation dtype; the caller caches the
     answer per machine, so every process attends in the same dtype and says the same things."""
@@ -83,21 +88,33 @@ def fastest_attention_dtype(model: nn.Module, fmt: str, max_rows: int, keys: int
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     generator = torch.Generator().manual_seed(0)
     groups = heads // kv_heads
+    own = int_kernel.enabled()
 
-    def cost(kind: torch.dtype) -> float:
+    def timed(run) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    def prefill(kind: torch.dtype) -> float:
+        q = torch.randn(1, heads, 64, head_dim, generator=generator).to(kind)
+        k = torch.randn(1, kv_heads, keys, head_dim, generator=generator).to(kind)
+        visible = torch.ones(64, keys, dtype=torch.bool).tril(keys - 64)
+        return timed(lambda: nn.functional.scaled_dot_product_attention(
+            q, k, k, attn_mask=visible, enable_gqa=groups > 1))
+
+    def rows(kind: torch.dtype) -> float:
         total = 0.0
-        for rows in sorted({1, max_rows}):
-            q = torch.randn(kv_heads, rows * groups, head_dim, generator=generator).to(kind)
+        for n in sorted({1, max_rows}):
+            q = torch.randn(kv_heads, n * groups, head_dim, generator=generator).to(kind)
             k = torch.randn(kv_heads, keys, head_dim, generator=generator).to(kind)
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                probs = torch.softmax(torch.bmm(q, k.transpose(1, 2)).float(), dim=-1).to(kind)
-                torch.bmm(probs, k)
-                times.append(time.perf_counter() - t0)
-            total += sorted(times)[len(times) // 2]
+            total += timed(lambda q=q, k=k: torch.bmm(
+                torch.softmax(torch.bmm(q, k.transpose(1, 2)).float(), dim=-1).to(kind), k))
         return total
 
+    cost = prefill if own else rows
     with torch.inference_mode():
         cost(dtype)  # warm both paths before timing
         cost(torch.float32)
@@ -244,6 +261,13 @@ class LeanLlama(nn.Module):
         # consecutive slots in one product (set by the runner's probe: a row's numbers unchanged).
         self.pool: CachePool | None = None
         self.batch_attention = False
+        # On a CPU where our own kernels run: a layer's norms, SiLU and short forwards' attention
+        # as one op each (`layer_ops.cpp`), a row's numbers the same in any forward by design.
+        self.own_ops = self.device.type == "cpu" and int_kernel.enabled()
+        if self.own_ops:
+            ops = torch.ops.voiceagent_int
+            self._own_rms, self._own_silu_mul, self._own_attend = \
+                ops.rms.default, ops.silu_mul.default, ops.attend.default
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -365,8 +389,11 @@ class LeanLlama(nn.Module):
         would alone wherever the kernels are row-invariant (the runner's probes). A part longer
         than `ROWS` (prefill) runs only alone."""
         x = x.to(self.dtype)
-        if len(parts) > 1 and any(n > ROWS for _, _, n in parts):
+        short = all(n <= ROWS for _, _, n in parts)
+        if len(parts) > 1 and not short:
             raise ValueError(f"only forwards of at most {ROWS} rows share a forward")
+        if short and self.own_ops:
+            return self._run_own(x, parts)
         offsets = [0]
         for _, _, n in parts:
             offsets.append(offsets[-1] + n)
@@ -383,7 +410,7 @@ class LeanLlama(nn.Module):
         rows = x.shape[0]
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms(x, layer.norm1, self.eps))
+            qkv = layer.qkv(self._rms(x, layer.norm1))
             # queries and keys rotated in one pass: elementwise, so the same numbers as apart
             qk = _rotate(qkv[:, :q_width + kv_width].view(rows, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.heads].to(self.attention_dtype), qk[:, self.heads:]
@@ -403,9 +430,41 @@ class LeanLlama(nn.Module):
                 for run in runs:
                     attn.index_copy_(0, run.rows, self._attend_run(i, run, q, k, v))
             x = x + layer.o(attn.to(self.dtype))
-            gate, up = layer.gate_up(_rms(x, layer.norm2, self.eps)).chunk(2, dim=-1)
-            x = x + layer.down(nn.functional.silu(gate) * up)
-        return _rms(x, self.norm, self.eps)
+            x = x + layer.down(self._silu_mul(layer.gate_up(self._rms(x, layer.norm2))))
+        return self._rms(x, self.norm)
+
+    def _run_own(self, x: torch.Tensor, parts: list[tuple[LeanCache, int, int]]) -> torch.Tensor:
+        """`run_many` of short parts on our own ops: per layer, the norms, the products, one
+        attention op over every part (rotary, cache writes, each row over its own part's keys up
+        to its position) and one SiLU op."""
+        rms, silu_mul, attend = self._own_rms, self._own_silu_mul, self._own_attend
+        x = x.contiguous()
+        positions = torch.cat([torch.arange(start, start + n) for _, start, n in parts]) \
+            if len(parts) > 1 else torch.arange(parts[0][1], parts[0][1] + parts[0][2])
+        for cache, start, n in parts:
+            if cache.pool is not None:
+                cache.pool.wrote(cache.slot, start + n)
+        cos, sin = self.rope(positions.to(x.device))
+        keys, values = [c.k for c, _, _ in parts], [c.v for c, _, _ in parts]
+        starts, counts = [start for _, start, _ in parts], [n for _, _, n in parts]
+        scale = self.head_dim ** -0.5
+        for i, layer in enumerate(self.layers):
+            attn = attend(layer.qkv(rms(x, layer.norm1, self.eps)), cos, sin, keys, values,
+                          starts, counts, i, self.heads, self.kv_heads, scale)
+            x = x + layer.o(attn)
+            x = x + layer.down(silu_mul(layer.gate_up(rms(x, layer.norm2, self.eps))))
+        return rms(x, self.norm, self.eps)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.own_ops:
+            return self._own_rms(x.contiguous(), weight, self.eps)
+        return _rms(x, weight, self.eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.own_ops:
+            return self._own_silu_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up
 
     def _plan(self, cache: LeanCache, start: int, rows: slice, device: torch.device) -> _Part:
         """What a part's attention needs in every layer: its positions, the keys it attends

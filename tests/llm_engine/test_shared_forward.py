@@ -48,6 +48,9 @@ def step_together(engine: SpeculativeEngine, prompts, cancel_at: dict[int, int] 
 
 
 SLOTS = 4
+# `_attend_run`, the one product over pooled caches, is on torch's ops: our own attend every part
+# in one op of their own
+torch_ops = pytest.mark.parametrize("int_kernel_choice", ["torch"], indirect=True)
 
 
 def pooled(target, fmt: str = "q4", attention: torch.dtype | None = None) -> LeanRunner:
@@ -73,8 +76,11 @@ def attending(runner: LeanRunner, runs: list[int]):
     ids=["each-alone", "one-product", "one-product-in-slot-order", "one-product-fp32-cache"])
 @pytest.mark.parametrize("fmt", LEAN_FORMATS)
 def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, fmt, pool,
-                                                                        attention, reverse):
+                                                                        attention, reverse,
+                                                                        int_kernel_choice):
     runner = pooled(target, fmt, attention) if pool else invariant(target, fmt)
+    # our own layer ops attend every part in one op of their own, never through `_attend_run`
+    assert runner.lean.own_ops == (int_kernel_choice == "own")
     runs: list[int] = []
     attending(runner, runs)
     prompts = random_prompts(target.config.vocab_size, 3, seed=21)
@@ -89,7 +95,8 @@ def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, 
         if reverse:  # out of slot order
             caches, steps, starts = caches[::-1], steps[::-1], starts[::-1]
         together = runner.forward_many(list(zip(caches, steps, strict=True)))
-        assert runs == ([3] * target.config.num_hidden_layers if pool else [])
+        one_product = pool and not runner.lean.own_ops
+        assert runs == ([3] * target.config.num_hidden_layers if one_product else [])
         for cache, start, ids, shared in zip(caches, starts, steps, together, strict=True):
             assert cache.length == start + ids.shape[1]
             runner.crop(cache, start)
@@ -101,8 +108,10 @@ def test_a_shared_forward_gives_each_request_its_own_logits_bit_for_bit(target, 
 @pytest.mark.parametrize("attention", [None, torch.float32], ids=["cache-as-activations",
                                                                   "fp32-cache"])
 @pytest.mark.parametrize("fmt", LEAN_FORMATS)
+@torch_ops
 def test_decode_rows_in_slot_order_attend_as_they_come_and_keep_their_logits(target, fmt,
-                                                                           attention):
+                                                                           attention,
+                                                                           int_kernel_choice):
     """One row a request, in slot order, the run holding every row: the shortcut that skips the
     run's row gathers and writes every cache's keys in one copy gives each row its logits alone."""
     runner = pooled(target, fmt, attention)
@@ -127,7 +136,8 @@ def test_decode_rows_in_slot_order_attend_as_they_come_and_keep_their_logits(tar
             assert torch.equal(shared.hidden, alone.hidden)
 
 
-def test_requests_past_the_pool_get_their_own_cache_and_attend_alone(target):
+@torch_ops
+def test_requests_past_the_pool_get_their_own_cache_and_attend_alone(target, int_kernel_choice):
     runner = pooled(target)
     runs: list[int] = []
     attending(runner, runs)
@@ -145,7 +155,8 @@ def test_requests_past_the_pool_get_their_own_cache_and_attend_alone(target):
             assert torch.equal(shared.logits, runner.forward(cache, ids).logits)
 
 
-def test_the_probe_turns_the_one_product_off_where_it_changes_a_row(target):
+@torch_ops
+def test_the_probe_turns_the_one_product_off_where_it_changes_a_row(target, int_kernel_choice):
     runner = pooled(target)
     assert probe_shared(runner)
     attend_run = runner.lean._attend_run
@@ -153,7 +164,8 @@ def test_the_probe_turns_the_one_product_off_where_it_changes_a_row(target):
     assert not probe_shared(runner)
 
 
-def test_the_probe_checks_decode_rows_that_a_run_takes_as_they_come(target):
+@torch_ops
+def test_the_probe_checks_decode_rows_that_a_run_takes_as_they_come(target, int_kernel_choice):
     runner = pooled(target)
     if runner.lean.attention_rows > 1:
         pytest.skip(f"queries padded to {runner.lean.attention_rows} rows on {cpu_model()}")

@@ -1,0 +1,424 @@
+// A decoder layer's small steps as one op each, on AVX512: RMSNorm, SiLU times up, and the whole
+// attention of a short forward (rotary, the cache writes, causal attention over each row's own
+// cache). Through torch these were some 50 operators a layer, about 3 ms of a 9 ms step of the
+// embedded target on 2 cores (a torch profile, Intel Xeon, 2026-12-06).
+//
+// Every row runs the same instructions whatever the other rows are, so a row's numbers are the
+// same alone, batched or in a verify (the engine's speculation depends on it). The rotary is
+// rounded step by step as torch's elementwise ops round it (bf16 activations: each product and
+// the sum to bf16), so keys written here equal keys the prefill's torch path writes. Scores,
+// softmax and the weighted sum run in fp32 over the keys up to the row's own position: no mask,
+// no padding.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+AVX512 inline __m512 load(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+
+AVX512 inline __m512 load(const at::BFloat16* p, __mmask16 k) {
+  __m256i half = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Rounded to the storage type as torch rounds float -> bfloat16 (to nearest even); NaN stays NaN.
+AVX512 inline __m512 round_to(__m512 v, const float*) { return v; }
+
+AVX512 inline __m512 round_to(__m512 v, const at::BFloat16*) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
+}
+
+AVX512 inline void store(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+
+AVX512 inline void store(at::BFloat16* p, __m512 v, __mmask16 k) {
+  __m512i bits = _mm512_castps_si512(round_to(v, p));
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+inline __mmask16 tail(int64_t left) {
+  return left >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// e^x in fp32 (Cephes' expf polynomial, scaled by 2^n with vscalefps); within 2 ulp.
+AVX512 inline __m512 exp16(__m512 x) {
+  // the bounds first: min and max return their second operand for a NaN, which passes through
+  x = _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f),
+                    _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// -- RMSNorm: w * (x * rsqrt(mean(x^2) + eps)), the normalised row rounded to x's type first ----
+
+template <typename T>
+AVX512 void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += LANES) {
+      __m512 v = load(xr + i, tail(n - i));
+      sum = _mm512_fmadd_ps(v, v, sum);
+    }
+    __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(sum) / n + eps));
+    for (int64_t i = 0; i < n; i += LANES) {
+      __mmask16 k = tail(n - i);
+      __m512 h = round_to(_mm512_mul_ps(load(xr + i, k), scale), xr);
+      store(out + r * n + i, _mm512_mul_ps(load(w + i, k), h), k);
+    }
+  }
+}
+
+at::Tensor rms(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous [rows, hidden] CPU matrix");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1), "weight must be [hidden] in x's dtype");
+  at::Tensor out = at::empty_like(x);
+  if (x.scalar_type() == at::kBFloat16)
+    rms_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+             out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
+  else if (x.scalar_type() == at::kFloat)
+    rms_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
+             x.size(1), static_cast<float>(eps));
+  else
+    TORCH_CHECK(false, "x must be float32 or bfloat16");
+  return out;
+}
+
+// -- SiLU(gate) * up over [rows, 2 n] = [gate | up], each step rounded as torch's ----------------
+
+template <typename T>
+AVX512 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *gate = x + r * 2 * n, *up = gate + n;
+    for (int64_t i = 0; i < n; i += LANES) {
+      __mmask16 k = tail(n - i);
+      __m512 g = load(gate + i, k);
+      __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      store(out + r * n + i, _mm512_mul_ps(round_to(s, gate), load(up + i, k)), k);
+    }
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
+              "x must be a contiguous [rows, 2 n] CPU matrix");
+  const int64_t n = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  if (x.scalar_type() == at::kBFloat16)
+    silu_mul_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0), n);
+  else if (x.scalar_type() == at::kFloat)
+    silu_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), x.size(0), n);
+  else
+    TORCH_CHECK(false, "x must be float32 or bfloat16");
+  return out;
+}
+
+// -- attention of a short forward ---------------------------------------------------------------
+
+// One head's rows rotated: x * cos + rotate_half(x) * sin, each product and the sum rounded to
+// the activations' type T as torch's elementwise ops round them. Returns it in fp32 (`out`).
+template <typename T>
+AVX512 void rotate(const T* x, const T* cos, const T* sin, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < dim; i += LANES) {
+    __mmask16 k = tail(dim - i);
+    alignas(64) float turned[LANES];
+    for (int64_t j = 0; j < LANES && i + j < dim; ++j) {
+      int64_t at = i + j;
+      turned[j] = at < half ? -static_cast<float>(x[at + half]) : static_cast<float>(x[at - half]);
+    }
+    __m512 a = round_to(_mm512_mul_ps(load(x + i, k), load(cos + i, k)), x);
+    __m512 b = round_to(_mm512_mul_ps(_mm512_maskz_load_ps(k, turned), load(sin + i, k)), x);
+    store(out + i, round_to(_mm512_add_ps(a, b), x), k);
+  }
+}
+
+struct Part {
+  int64_t start, rows, first_row;  // positions start .. start + rows - 1; its first forward row
+  char *k, *v;  // layer's keys and values: [kv_heads, max_len, dim] with these strides
+  int64_t head_stride, position_stride;
+};
+
+// The sixteen sums of v[0] .. v[15]'s lanes, in order: a transposed reduction, 45 shuffles and
+// adds where sixteen horizontal sums take about 130.
+AVX512 inline __m512 sums16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v[4i] .. v[4i + 3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// A key head's scores [groups][seen] for its query heads q [groups][dim], NC chunks of 16 a head
+// (NC = 0: any dim, in masked chunks), sixteen keys at a time.
+template <int NC, typename C>
+AVX512 void scores_of(const float* q, const C* keys, int64_t stride, int64_t seen, int64_t groups,
+                      int64_t dim, float scale, float* scores) {
+  const int64_t chunks = NC ? NC : (dim + LANES - 1) / LANES;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* qg = q + g * dim;
+    for (int64_t j0 = 0; j0 < seen; j0 += LANES) {
+      const int64_t n = std::min<int64_t>(LANES, seen - j0);
+      __m512 acc[LANES];
+      for (int64_t j = 0; j < LANES; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j >= n) continue;
+        const C* kj = keys + (j0 + j) * stride;
+        for (int64_t c = 0; c < chunks; ++c) {
+          __mmask16 k = NC ? static_cast<__mmask16>(0xffff) : tail(dim - c * LANES);
+          acc[j] = _mm512_fmadd_ps(load(qg + c * LANES, k), load(kj + c * LANES, k), acc[j]);
+        }
+      }
+      _mm512_mask_storeu_ps(scores + g * seen + j0, tail(n),
+                            _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+// Each row of scores [groups][seen] to its softmax, in place.
+AVX512 void softmax_rows(float* scores, int64_t groups, int64_t seen) {
+  for (int64_t g = 0; g < groups; ++g) {
+    float* s = scores + g * seen;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < seen; j += LANES)
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail(seen - j), s + j));
+    __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; j += LANES) {
+      __mmask16 k = tail(seen - j);
+      __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), peak)));
+      _mm512_mask_storeu_ps(s + j, k, e);
+      total = _mm512_add_ps(total, e);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    for (int64_t j = 0; j < seen; j += LANES) {
+      __mmask16 k = tail(seen - j);
+      _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
+    }
+  }
+}
+
+// out [groups][dim] = probs [groups][seen] times the values, key by key, in blocks of keys whose
+// values stay in L1 while every query head of the key head takes them.
+template <int NC, typename C>
+AVX512 void weighted_sum(const float* probs, const C* values, int64_t stride, int64_t seen,
+                         int64_t groups, int64_t dim, float* out) {
+  constexpr int64_t BLOCK = 64;
+  constexpr int MAX_CHUNKS = NC ? NC : 1;
+  for (int64_t i = 0; i < groups * dim; ++i) out[i] = 0.0f;
+  for (int64_t j0 = 0; j0 < seen; j0 += BLOCK) {
+    const int64_t j1 = std::min(seen, j0 + BLOCK);
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* p = probs + g * seen;
+      float* o = out + g * dim;
+      if constexpr (NC > 0) {
+        __m512 acc[MAX_CHUNKS];
+        for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(o + c * LANES);
+        for (int64_t j = j0; j < j1; ++j) {
+          const __m512 pj = _mm512_set1_ps(p[j]);
+          const C* vj = values + j * stride;
+          for (int c = 0; c < NC; ++c)
+            acc[c] = _mm512_fmadd_ps(pj, load(vj + c * LANES, static_cast<__mmask16>(0xffff)), acc[c]);
+        }
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + c * LANES, acc[c]);
+      } else {
+        for (int64_t i = 0; i < dim; i += LANES) {
+          __mmask16 k = tail(dim - i);
+          __m512 acc = _mm512_maskz_loadu_ps(k, o + i);
+          for (int64_t j = j0; j < j1; ++j)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load(values + j * stride + i, k), acc);
+          _mm512_mask_storeu_ps(o + i, k, acc);
+        }
+      }
+    }
+  }
+}
+
+// Attention of one row and one key head: its `groups` query heads over keys 0 .. seen - 1.
+template <int NC, typename C>
+AVX512 void attend_row(const float* q, const C* keys, const C* values, int64_t stride,
+                       int64_t seen, int64_t groups, int64_t dim, float scale, float* scores,
+                       float* out) {
+  scores_of<NC>(q, keys, stride, seen, groups, dim, scale, scores);
+  softmax_rows(scores, groups, seen);
+  weighted_sum<NC>(scores, values, stride, seen, groups, dim, out);
+}
+
+template <typename C>
+void attend_row_any(const float* q, const C* keys, const C* values, int64_t stride, int64_t seen,
+                    int64_t groups, int64_t dim, float scale, float* scores, float* out) {
+  switch (dim) {  // the usual head sizes with their chunks in registers
+    case 32: attend_row<2>(q, keys, values, stride, seen, groups, dim, scale, scores, out); break;
+    case 64: attend_row<4>(q, keys, values, stride, seen, groups, dim, scale, scores, out); break;
+    case 128: attend_row<8>(q, keys, values, stride, seen, groups, dim, scale, scores, out); break;
+    default: attend_row<0>(q, keys, values, stride, seen, groups, dim, scale, scores, out);
+  }
+}
+
+// fp32 results to the activations' type (a lambda does not take a function's target attribute)
+template <typename T>
+AVX512 void copy_out(const float* from, T* to, int64_t n) {
+  for (int64_t i = 0; i < n; i += LANES) {
+    __mmask16 k = tail(n - i);
+    store(to + i, _mm512_maskz_loadu_ps(k, from + i), k);
+  }
+}
+
+template <typename T, typename C>
+void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                  const std::vector<Part>& parts, int64_t heads, int64_t kv_heads, double scale,
+                  at::Tensor& out) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), dim = width / (heads + 2 * kv_heads);
+  const int64_t groups = heads / kv_heads;
+  const T* x = qkv.data_ptr<T>();
+  const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  // every row's queries rotated (fp32), and its keys rotated and values written to its cache
+  std::vector<float> q(rows * heads * dim), turned(dim);
+  std::vector<int64_t> part_of(rows), position(rows);
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const Part& part = parts[p];
+    for (int64_t r = 0; r < part.rows; ++r) {
+      const int64_t row = part.first_row + r, pos = part.start + r;
+      part_of[row] = static_cast<int64_t>(p);
+      position[row] = pos;
+      const T *xr = x + row * width, *c = cp + row * dim, *s = sp + row * dim;
+      for (int64_t h = 0; h < heads; ++h) rotate(xr + h * dim, c, s, dim, &q[(row * heads + h) * dim]);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        C* key = reinterpret_cast<C*>(part.k) + h * part.head_stride + pos * part.position_stride;
+        C* value = reinterpret_cast<C*>(part.v) + h * part.head_stride + pos * part.position_stride;
+        rotate(xr + (heads + h) * dim, c, s, dim, turned.data());
+        const T* v = xr + (heads + kv_heads + h) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          key[i] = static_cast<C>(turned[i]);
+          value[i] = static_cast<C>(static_cast<float>(v[i]));
+        }
+      }
+    }
+  }
+  T* o = out.data_ptr<T>();
+  const float s = static_cast<float>(scale);
+  int64_t work = 0;
+  for (int64_t row = 0; row < rows; ++row) work += (position[row] + 1) * heads * dim;
+  // About 256k multiply-adds a task: below that the threads' start costs more than they share.
+  const int64_t grain = std::max<int64_t>(1, rows * kv_heads * 262144 / std::max<int64_t>(work, 1));
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, result(groups * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / kv_heads, h = task % kv_heads;
+      const Part& part = parts[part_of[row]];
+      const int64_t seen = position[row] + 1;
+      scores.resize(groups * seen);
+      const C* keys = reinterpret_cast<const C*>(part.k) + h * part.head_stride;
+      const C* values = reinterpret_cast<const C*>(part.v) + h * part.head_stride;
+      attend_row_any(&q[(row * heads + h * groups) * dim], keys, values, part.position_stride, seen,
+                 groups, dim, s, scores.data(), result.data());
+      copy_out(result.data(), o + row * heads * dim + h * groups * dim, groups * dim);
+    }
+  });
+}
+
+bool supported() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+}
+
+// qkv [rows, (heads + 2 kv_heads) dim] (a forward's rows, parts one after another); cos, sin
+// [rows, dim] in qkv's dtype; per part its caches' keys and values [layers, kv_heads, max_len,
+// dim] (in one dtype, float32 or bfloat16), its first position and its row count. Writes each
+// row's key and value at its position in layer `layer`, and returns each row's attention over its
+// part's positions up to its own: [rows, heads dim] in qkv's dtype.
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                  at::TensorList keys, at::TensorList values, at::IntArrayRef starts,
+                  at::IntArrayRef counts, int64_t layer, int64_t heads, int64_t kv_heads,
+                  double scale) {
+  TORCH_CHECK(supported(), "this CPU lacks AVX512");
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(),
+              "qkv must be a contiguous [rows, width] CPU matrix");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 &&
+                  qkv.size(1) % (heads + 2 * kv_heads) == 0, "heads do not match qkv");
+  const int64_t rows = qkv.size(0), dim = qkv.size(1) / (heads + 2 * kv_heads);
+  TORCH_CHECK(dim % 2 == 0, "the head size must be even");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->is_contiguous() && t->dim() == 2 &&
+                    t->size(0) == rows && t->size(1) == dim, "cos and sin must be [rows, dim] in qkv's dtype");
+  TORCH_CHECK(keys.size() == values.size() && keys.size() == starts.size() &&
+                  keys.size() == counts.size() && !keys.empty(), "one key, value, start and count a part");
+  const at::ScalarType cache_type = keys[0].scalar_type();
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16, "caches must be float32 or bfloat16");
+  std::vector<Part> parts;
+  int64_t first_row = 0;
+  for (size_t p = 0; p < keys.size(); ++p) {
+    const at::Tensor &k = keys[p], &v = values[p];
+    TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
+                    k.scalar_type() == cache_type && v.scalar_type() == cache_type &&
+                    k.device().is_cpu() && v.device().is_cpu(), "caches must match");
+    TORCH_CHECK(layer >= 0 && layer < k.size(0) && k.size(1) == kv_heads && k.size(3) == dim &&
+                    k.stride(3) == 1, "a cache must be [layers, kv_heads, max_len, dim]");
+    TORCH_CHECK(counts[p] >= 1 && starts[p] >= 0 && starts[p] + counts[p] <= k.size(2),
+                "a part's positions must lie in its cache");
+    const int64_t offset = layer * k.stride(0) * k.element_size();
+    parts.push_back({starts[p], counts[p], first_row,
+                     static_cast<char*>(k.data_ptr()) + offset, static_cast<char*>(v.data_ptr()) + offset,
+                     k.stride(1), k.stride(2)});
+    first_row += counts[p];
+  }
+  TORCH_CHECK(first_row == rows, "the parts' counts must add up to the rows");
+  at::Tensor out = at::empty({rows, heads * dim}, qkv.options());
+  const bool bf16 = qkv.scalar_type() == at::kBFloat16, bf16_cache = cache_type == at::kBFloat16;
+  TORCH_CHECK(bf16 || qkv.scalar_type() == at::kFloat, "qkv must be float32 or bfloat16");
+  if (bf16 && bf16_cache) attend_parts<at::BFloat16, at::BFloat16>(qkv, cos, sin, parts, heads, kv_heads, scale, out);
+  else if (bf16) attend_parts<at::BFloat16, float>(qkv, cos, sin, parts, heads, kv_heads, scale, out);
+  else if (bf16_cache) attend_parts<float, at::BFloat16>(qkv, cos, sin, parts, heads, kv_heads, scale, out);
+  else attend_parts<float, float>(qkv, cos, sin, parts, heads, kv_heads, scale, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(voiceagent_int, lib) {
+  lib.def("rms(Tensor x, Tensor weight, float eps) -> Tensor", &rms);
+  lib.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
+  lib.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, "
+          "int[] starts, int[] counts, int layer, int heads, int kv_heads, float scale) -> Tensor",
+          &attend);
+}
