@@ -1,4 +1,6 @@
-"""Our own weight-only 4- and 8-bit CPU kernel (int_kernel.cpp), built where it can be.
+"""Our own CPU kernels, built where they can be: the weight-only 4- and 8-bit products
+(int_kernel.cpp) and a decoder layer's small steps (layer_ops.cpp: RMSNorm, SiLU times up, a
+short forward's attention), one library, used together or not at all.
 
 torch's int4 CPU kernel multiplies every weight of every row in fp32, so the rows of a shared
 forward cost nearly what separate forwards do. This one quantises each activation row per group
@@ -14,7 +16,7 @@ It is compiled with torch's C++ extension builder by `python -m llm_engine.lean.
 (scripts/setup.sh runs it), or on first use, into `build_dir()`: VOICEAGENT_KERNEL_DIR, else the
 environment's share/voiceagent/kernels, one folder per source, torch version and flags; a service
 user who cannot write there loads what set-up built. Where it cannot be built or the CPU lacks
-AVX512-VNNI, `available` says why once and the lean layers keep torch's kernels.
+AVX512-VNNI, `available` says why once and the lean layers keep torch's kernels and ops.
 """
 
 from __future__ import annotations
@@ -58,18 +60,18 @@ def enabled() -> bool:
 
 
 def name() -> str:
-    """What runs the q4 and q8 layers built now, for the keys of cached measurements."""
+    """What runs the lean layers built now, for the keys of cached measurements."""
     return f"own-{_digest()}" if enabled() else "torch"
 
 
 @cache
 def available() -> bool:
-    """Whether the kernel is built and this CPU runs it (built on the first call)."""
+    """Whether the kernels are built and this CPU runs them (built on the first call)."""
     reason = _load()
     if reason:  # a CPU without the instructions is expected; a failed build is not
         level = logging.WARNING if "built" in reason else logging.INFO
-        log.log(level, "own int kernel not used: %s; q4 and q8 layers run on torch's kernels",
-                reason)
+        log.log(level, "our own CPU kernels not used: %s; the lean layers run on torch's "
+                "kernels and ops", reason)
     return not reason
 
 
@@ -227,7 +229,7 @@ class Packed:
 def main() -> int:
     """Build the kernel now (set-up calls this so that no call waits on the compiler)."""
     reason = _load()
-    print(f"[setup] own int kernel: {reason or 'built, and this CPU runs it'}")
+    print(f"[setup] our own CPU kernels: {reason or 'built, and this CPU runs them'}")
     return 0
 
 

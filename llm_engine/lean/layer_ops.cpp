@@ -55,6 +55,15 @@ inline __mmask16 tail(int64_t left) {
   return left >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
 }
 
+bool supported() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+}
+
 // e^x in fp32 (Cephes' expf polynomial, scaled by 2^n with vscalefps); within 2 ulp.
 AVX512 inline __m512 exp16(__m512 x) {
   // the bounds first: min and max return their second operand for a NaN, which passes through
@@ -94,20 +103,38 @@ AVX512 void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, fl
   }
 }
 
-at::Tensor rms(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// Rows split between threads for a prefill's long chunks: each row's numbers are its own.
+template <typename F>
+void by_rows(int64_t rows, int64_t width, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { f(begin, end - begin); });
+}
+
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(supported(), "this CPU lacks AVX512");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
-              "x must be a contiguous [rows, hidden] CPU matrix");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
-                  weight.numel() == x.size(1), "weight must be [hidden] in x's dtype");
+              "x must be a contiguous [rows, width] CPU matrix");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+}
+
+at::Tensor rms(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight must be a CPU [hidden] vector in x's dtype");
   at::Tensor out = at::empty_like(x);
-  if (x.scalar_type() == at::kBFloat16)
-    rms_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
-             out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
-  else if (x.scalar_type() == at::kFloat)
-    rms_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0),
-             x.size(1), static_cast<float>(eps));
-  else
-    TORCH_CHECK(false, "x must be float32 or bfloat16");
+  const int64_t n = x.size(1);
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::BFloat16 *xp = x.data_ptr<at::BFloat16>(), *wp = weight.data_ptr<at::BFloat16>();
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    by_rows(x.size(0), n, [&](int64_t r, int64_t count) { rms_rows(xp + r * n, wp, op + r * n, count, n, e); });
+  } else {
+    const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    by_rows(x.size(0), n, [&](int64_t r, int64_t count) { rms_rows(xp + r * n, wp, op + r * n, count, n, e); });
+  }
   return out;
 }
 
@@ -128,16 +155,19 @@ AVX512 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
 }
 
 at::Tensor silu_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0,
-              "x must be a contiguous [rows, 2 n] CPU matrix");
+  check_rows(x);
+  TORCH_CHECK(x.size(1) % 2 == 0, "x must be [rows, 2 n]: the gate, then the up half");
   const int64_t n = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  if (x.scalar_type() == at::kBFloat16)
-    silu_mul_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0), n);
-  else if (x.scalar_type() == at::kFloat)
-    silu_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), x.size(0), n);
-  else
-    TORCH_CHECK(false, "x must be float32 or bfloat16");
+  if (x.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    at::BFloat16* op = out.data_ptr<at::BFloat16>();
+    by_rows(x.size(0), 2 * n, [&](int64_t r, int64_t count) { silu_mul_rows(xp + r * 2 * n, op + r * n, count, n); });
+  } else {
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    by_rows(x.size(0), 2 * n, [&](int64_t r, int64_t count) { silu_mul_rows(xp + r * 2 * n, op + r * n, count, n); });
+  }
   return out;
 }
 
@@ -353,15 +383,6 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   });
 }
 
-bool supported() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return ok;
-}
-
 // qkv [rows, (heads + 2 kv_heads) dim] (a forward's rows, parts one after another); cos, sin
 // [rows, dim] in qkv's dtype; per part its caches' keys and values [layers, kv_heads, max_len,
 // dim] (in one dtype, float32 or bfloat16), its first position and its row count. Writes each
@@ -379,7 +400,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   const int64_t rows = qkv.size(0), dim = qkv.size(1) / (heads + 2 * kv_heads);
   TORCH_CHECK(dim % 2 == 0, "the head size must be even");
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->is_contiguous() && t->dim() == 2 &&
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == qkv.scalar_type() && t->is_contiguous() && t->dim() == 2 &&
                     t->size(0) == rows && t->size(1) == dim, "cos and sin must be [rows, dim] in qkv's dtype");
   TORCH_CHECK(keys.size() == values.size() && keys.size() == starts.size() &&
                   keys.size() == counts.size() && !keys.empty(), "one key, value, start and count a part");
@@ -392,6 +413,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
     TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
                     k.scalar_type() == cache_type && v.scalar_type() == cache_type &&
                     k.device().is_cpu() && v.device().is_cpu(), "caches must match");
+    TORCH_CHECK(!k.is_same(v) && k.data_ptr() != v.data_ptr(), "keys and values must be apart");
     TORCH_CHECK(layer >= 0 && layer < k.size(0) && k.size(1) == kv_heads && k.size(3) == dim &&
                     k.stride(3) == 1, "a cache must be [layers, kv_heads, max_len, dim]");
     TORCH_CHECK(counts[p] >= 1 && starts[p] >= 0 && starts[p] + counts[p] <= k.size(2),
@@ -418,7 +440,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(voiceagent_int, lib) {
   lib.def("rms(Tensor x, Tensor weight, float eps) -> Tensor", &rms);
   lib.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
-  lib.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, "
+  lib.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, "
           "int[] starts, int[] counts, int layer, int heads, int kv_heads, float scale) -> Tensor",
           &attend);
 }

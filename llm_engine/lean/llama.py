@@ -2,8 +2,9 @@
 
 Built over a loaded Hugging Face model's weights, in one of the lean formats: fused QKV and
 gate/up projections, a static KV cache written in place, `scaled_dot_product_attention`, and a
-few dozen operators per layer where HF's eager model issues ~50. HF's model stays the reference
-(the formats' agreement is measured against it) and the fallback for other architectures.
+few dozen operators per layer where HF's eager model issues ~50 (about 10 on a CPU where our own
+layer ops run, `layer_ops.cpp`). HF's model stays the reference (the formats' agreement is
+measured against it) and the fallback for other architectures.
 
 Numerics follow HF's: RMSNorm in fp32, rotary tables from the model's own `rotary_emb` (so every
 rope scaling HF knows, Llama 3's included), logits in fp32. Attention (and the KV cache) runs in
@@ -56,6 +57,13 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
+def own_ops_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether our own layer ops run a forward on `device` in activation `dtype`: a CPU where
+    our kernels run (`int_kernel.enabled`), in fp32 or bf16 (float16 stays on torch's ops)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+        and int_kernel.enabled()
+
+
 def activation_dtype(fmt: str, device: torch.device) -> torch.dtype:
     if fmt == "float32":
         return torch.float32
@@ -88,7 +96,7 @@ def fastest_attention_dtype(model: nn.Module, fmt: str, max_rows: int, keys: int
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     generator = torch.Generator().manual_seed(0)
     groups = heads // kv_heads
-    own = int_kernel.enabled()
+    own = own_ops_run(device, dtype)
 
     def timed(run) -> float:
         times = []
@@ -263,7 +271,7 @@ class LeanLlama(nn.Module):
         self.batch_attention = False
         # On a CPU where our own kernels run: a layer's norms, SiLU and short forwards' attention
         # as one op each (`layer_ops.cpp`), a row's numbers the same in any forward by design.
-        self.own_ops = self.device.type == "cpu" and int_kernel.enabled()
+        self.own_ops = own_ops_run(self.device, self.dtype)
         if self.own_ops:
             ops = torch.ops.voiceagent_int
             self._own_rms, self._own_silu_mul, self._own_attend = \
@@ -373,8 +381,9 @@ class LeanLlama(nn.Module):
         """ids [n] at positions start .. start + n - 1 on top of the cache, which gets their keys
         and values. Returns the final hidden states [n, hidden].
 
-        A forward of up to `ROWS` rows (decode and verify) attends with `_attend_rows`, whose
-        result for a row does not depend on the row count; longer ones (prefill) with SDPA."""
+        A forward of up to `ROWS` rows (decode and verify) attends with our own `attend` op where
+        it runs, else `_attend_rows`; either gives a row the same result whatever the row count.
+        Longer ones (prefill) attend with SDPA."""
         return self.run(self.embed[ids], cache, start)
 
     def run(self, x: torch.Tensor, cache: LeanCache, start: int) -> torch.Tensor:
@@ -384,10 +393,11 @@ class LeanLlama(nn.Module):
     def run_many(self, x: torch.Tensor, parts: list[tuple[LeanCache, int, int]]) -> torch.Tensor:
         """Several sequences in one forward: x [sum n, hidden] holds, in order, the rows of each
         part (cache, start, n). The projections and the MLP run once over every row; each part
-        writes its own cache and attends over its own keys, padded as it would be alone (parts in
-        consecutive pool slots in one product, `_attend_run`), so a part's rows come out as they
-        would alone wherever the kernels are row-invariant (the runner's probes). A part longer
-        than `ROWS` (prefill) runs only alone."""
+        writes its own cache and attends over its own keys: on our own ops every part in one
+        `attend` op (`_run_own`), else padded as it would be alone (parts in consecutive pool
+        slots in one product, `_attend_run`), so a part's rows come out as they would alone
+        wherever the kernels are row-invariant (the runner's probes). A part longer than `ROWS`
+        (prefill) runs only alone."""
         x = x.to(self.dtype)
         short = all(n <= ROWS for _, _, n in parts)
         if len(parts) > 1 and not short:

@@ -21,11 +21,12 @@ def draft(tokenizer):
 
 @pytest.fixture(params=["own", "torch"])
 def int_kernel_choice(request):
-    """Each q4/q8 kernel in turn for layers built in the test: ours (where it runs) and torch's."""
+    """Our own CPU kernels (the q4/q8 products and the layer ops, where they run) and torch's,
+    in turn, for layers built in the test."""
     from llm_engine.lean import int_kernel
 
     if request.param == "own" and not int_kernel.available():
-        pytest.skip("our own int kernel does not run here (no AVX512-VNNI, or no compiler)")
+        pytest.skip("our own CPU kernels do not run here (no AVX512-VNNI, or no compiler)")
     before = int_kernel.wanted()
     int_kernel.use(request.param == "own")
     yield request.param

@@ -65,13 +65,28 @@ def reference(qkv, positions, keys, values, layer=1):
     return out.reshape(rows, HEADS * dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_is_torchs_norm_to_a_rounding(dtype):
-    x, weight = torch.randn(5, 200).to(dtype), torch.randn(200).to(dtype)
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+@pytest.mark.parametrize("scale", [1.0, 1e-3])  # small rows, where eps counts
+def test_rms_is_torchs_norm_to_a_rounding(dtype, rtol, scale):
+    x, weight = (torch.randn(5, 200) * scale).to(dtype), torch.randn(200).to(dtype)
     got = ops().rms(x, weight, 1e-5)
     assert got.dtype == dtype
     # torch's mean sums in another order: at most one step of the output's rounding apart
-    torch.testing.assert_close(got, torch_rms(x, weight), rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got, torch_rms(x, weight), rtol=rtol, atol=1e-6)
+
+
+def test_rms_and_silu_split_a_prefills_rows_between_threads_without_changing_them():
+    x, weight = torch.randn(256, 1536).bfloat16(), torch.randn(1536).bfloat16()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append((ops().rms(x, weight, 1e-5), ops().silu_mul(x)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    assert torch.equal(outs[0][0][7:8], ops().rms(x[7:8].contiguous(), weight, 1e-5))
 
 
 def test_rms_gives_a_row_the_same_numbers_alone_or_batched():
@@ -92,7 +107,7 @@ def test_silu_mul_is_silu_of_the_gate_times_the_up_half(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [DIM, 40])  # a head in registers, and one in masked chunks
+@pytest.mark.parametrize("dim", [DIM, 64, 128, 40])  # heads in registers, one in masked chunks
 def test_attend_writes_torchs_rotated_keys_and_attends_causally(dtype, cache_dtype, dim):
     keys, values = cache(cache_dtype, dim=dim)
     rows = 40  # keys in whole blocks of 16 and a part block
@@ -113,24 +128,25 @@ def test_attend_writes_torchs_rotated_keys_and_attends_causally(dtype, cache_dty
                                rtol=tolerance, atol=tolerance)
 
 
-def test_a_rows_attention_is_bit_identical_alone_batched_or_in_a_verify():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_attention_is_bit_identical_alone_batched_or_in_a_verify(cache_dtype):
     qkv = torch.randn(6, (HEADS + 2 * KV_HEADS) * DIM).bfloat16()
     other = torch.randn(3, qkv.shape[1]).bfloat16()
     # a verify: six rows at 20..25 over a cache holding 0..19
-    history = torch.randn(LAYERS, KV_HEADS, 20, DIM)
-    keys, values = cache(torch.float32)
+    history = torch.randn(LAYERS, KV_HEADS, 20, DIM).to(cache_dtype)
+    keys, values = cache(cache_dtype)
     keys[:, :, :20], values[:, :, :20] = history, -history
     verify = attend(qkv, torch.arange(20, 26), [(keys, values, 20, 6)])
     # the same rows one step at a time, each after the rows before it
-    keys2, values2 = cache(torch.float32)
+    keys2, values2 = cache(cache_dtype)
     keys2[:, :, :20], values2[:, :, :20] = history, -history
     steps = torch.cat([attend(qkv[i:i + 1], torch.tensor([20 + i]), [(keys2, values2, 20 + i, 1)])
                        for i in range(6)])
     assert torch.equal(steps, verify)
     # and sharing a forward with another session's rows, before and after it
-    keys3, values3 = cache(torch.float32)
+    keys3, values3 = cache(cache_dtype)
     keys3[:, :, :20], values3[:, :, :20] = history, -history
-    other_keys, other_values = cache(torch.float32)
+    other_keys, other_values = cache(cache_dtype)
     shared = attend(torch.cat([other, qkv]), torch.cat([torch.arange(3), torch.arange(20, 26)]),
                     [(other_keys, other_values, 0, 3), (keys3, values3, 20, 6)])
     assert torch.equal(shared[3:], verify)
@@ -154,6 +170,22 @@ def test_the_attention_does_not_depend_on_the_thread_count():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_attend_reads_and_writes_a_pool_slots_strided_cache():
+    """A `CachePool` slot: [layers, kv_heads, max_len, dim] strided over the pool's slots."""
+    pool_k = torch.zeros(LAYERS, 3, KV_HEADS, MAX_LEN, DIM)
+    pool_v = torch.zeros_like(pool_k)
+    keys, values = pool_k[:, 1], pool_v[:, 1]
+    keys[:, :, :20] = torch.randn(LAYERS, KV_HEADS, 20, DIM)
+    values[:, :, :20] = torch.randn(LAYERS, KV_HEADS, 20, DIM)
+    qkv = torch.randn(4, (HEADS + 2 * KV_HEADS) * DIM).bfloat16()
+    positions = torch.arange(20, 24)
+    got = attend(qkv, positions, [(keys, values, 20, 4)])
+    torch.testing.assert_close(got.double(), reference(qkv, positions, keys, values),
+                               rtol=2 ** -7, atol=2 ** -7)
+    assert pool_k[1, 1, :, 20:24].any() and not pool_k[:, 0].any() and not pool_k[:, 2].any()
+    assert not pool_v[:, 0].any() and not pool_v[:, 2].any()
+
+
 def test_attend_refuses_parts_outside_their_cache_or_not_adding_up():
     keys, values = cache(torch.float32)
     qkv = torch.randn(2, (HEADS + 2 * KV_HEADS) * DIM)
@@ -164,3 +196,16 @@ def test_attend_refuses_parts_outside_their_cache_or_not_adding_up():
     with pytest.raises(RuntimeError, match="heads do not match"):
         ops().attend(qkv[:, :-1].contiguous(), *rope(torch.arange(2), qkv.dtype), [keys],
                      [values], [0], [2], 0, HEADS, KV_HEADS, 1.0)
+
+
+def test_attend_refuses_caches_that_do_not_match_or_share_a_tensor():
+    keys, values = cache(torch.float32)
+    qkv = torch.randn(2, (HEADS + 2 * KV_HEADS) * DIM)
+    with pytest.raises(RuntimeError, match="caches must match"):
+        attend(qkv, torch.arange(2), [(keys, values.bfloat16(), 0, 2)])
+    with pytest.raises(RuntimeError, match="must be apart"):
+        attend(qkv, torch.arange(2), [(keys, keys, 0, 2)])
+    with pytest.raises(RuntimeError, match=r"\[layers, kv_heads"):
+        attend(qkv, torch.arange(2), [(keys, values, 0, 2)], layer=LAYERS)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        attend(torch.randn(qkv.shape[1], 2).t(), torch.arange(2), [(keys, values, 0, 2)])

@@ -48,6 +48,31 @@ def test_the_float32_lean_forward_computes_hfs_logits(target):
     assert torch.allclose(got, want, atol=1e-4)
 
 
+def test_the_float32_lean_forward_decodes_hfs_logits_after_a_prefill(target, int_kernel_choice):
+    """A prefill past the short forwards' rows (SDPA), then steps of one row and a verify of
+    three (our own attention op where it runs): each position's logits are HF's."""
+    prompt = random_prompts(target.config.vocab_size, 1, seed=4)[0]
+    ids = torch.tensor([(prompt * 8)[:48]])
+    runner = lean(target, "float32")
+    assert runner.lean.own_ops == (int_kernel_choice == "own")
+    with torch.inference_mode():
+        want = target(ids).logits[0]
+        cache = runner.new_cache()
+        got = [runner.forward(cache, ids[:, :40]).logits]
+        got += [runner.forward(cache, ids[:, p:p + 1]).logits for p in range(40, 45)]
+        got.append(runner.forward(cache, ids[:, 45:48]).logits)
+    assert torch.allclose(torch.cat(got), want, atol=1e-4)
+
+
+def test_float16_on_a_cpu_runs_on_torchs_ops(target):
+    """Our own layer ops take fp32 and bf16 only."""
+    runner = lean(target, "float16")
+    ids = torch.tensor([random_prompts(target.config.vocab_size, 1, seed=3)[0]])
+    assert not runner.lean.own_ops
+    with torch.inference_mode():
+        assert runner.forward(runner.new_cache(), ids).logits.isfinite().all()
+
+
 @pytest.mark.parametrize("attention", [None, torch.float32], ids=["attention-as-activations",
                                                                   "attention-fp32"])
 @pytest.mark.parametrize("fmt", LEAN_FORMATS)
