@@ -58,7 +58,7 @@ def test_the_wheel_ships_every_config_and_prompt_set(wheel):
 
 def test_the_wheel_ships_our_kernels_sources(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    for source in int_kernel.SOURCES:
+    for source in (*int_kernel.SOURCES, int_kernel.HEADER):
         assert f"llm_engine/lean/{source.name}" in names
 
 

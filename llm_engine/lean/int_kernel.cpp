@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx512.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -27,32 +29,9 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-constexpr int64_t LANES = 16;
 constexpr int MAX_ROWS = 8;  // rows a pass over a block carries: accumulators stay in registers
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-
-VNNI inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-VNNI inline __m512 load16(const at::BFloat16* p) {
-  __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-VNNI inline __m512 load16(const at::Half* p) {  // the scales, as a GGUF stores them
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-VNNI inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-
-VNNI inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) {
-  // round to nearest even, as torch's float -> bfloat16
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-  _mm256_mask_storeu_epi16(p, mask, half);
-}
 
 inline int32_t four(const int8_t* p) {  // four codes as one lane's operand
   int32_t v;
@@ -67,7 +46,7 @@ template <typename T>
 VNNI void quantise_row(const T* x, int64_t groups, int8_t* q, int8_t* r, float* dx, float* sx) {
   const __m512 fine = _mm512_set1_ps(128.0f);
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 a = load16(x + g * GROUP), b = load16(x + g * GROUP + LANES);
+    __m512 a = load(x + g * GROUP), b = load(x + g * GROUP + LANES);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     // max drops NaNs: a NaN input makes the group's scale NaN, so that the outputs say so
     if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q))
@@ -111,7 +90,7 @@ VNNI void block_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
         w[p] = v;
       }
     }
-    __m512 dv = load16(d + g * LANES), mv = load16(m + g * LANES);
+    __m512 dv = load(d + g * LANES), mv = load(m + g * LANES);
     for (int r = 0; r < R; ++r) {
       const int8_t *qr = q + r * in_features + g * GROUP, *rr = rq + r * in_features + g * GROUP;
       __m512i dot = _mm512_setzero_si512(), rest = _mm512_setzero_si512();
@@ -127,7 +106,7 @@ VNNI void block_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
   }
   for (int r = 0; r < R; ++r) {
     __m512 v = bias ? _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, bias)) : acc[r];
-    store16(out + r * out_stride, v, mask);
+    store(out + r * out_stride, v, mask);
   }
 }
 

@@ -38,6 +38,7 @@ GROUP = 32
 LANES = 16  # outputs a block: one AVX512 register of int32 sums
 # the products, and a decoder layer's small steps (norm, SiLU, attention: `layer_ops.cpp`)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int_kernel.cpp", "layer_ops.cpp"))
+HEADER = Path(__file__).with_name("avx512.h")  # their shared loads and stores
 
 
 _wanted = True
@@ -84,8 +85,8 @@ def build_dir() -> Path:
 
 @cache
 def _digest() -> str:
-    """The build's identity: the source, torch's version and the compiler flags."""
-    text = b"".join(source.read_bytes() for source in SOURCES) + \
+    """The build's identity: the sources, torch's version and the compiler flags."""
+    text = b"".join(source.read_bytes() for source in (*SOURCES, HEADER)) + \
         f"|{torch.__version__}|{' '.join(_FLAGS)}".encode()
     return hashlib.sha256(text).hexdigest()[:16]
 

@@ -14,46 +14,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx512.h"
+
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 namespace {
-
-constexpr int64_t LANES = 16;
-
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-
-AVX512 inline __m512 load(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
-
-AVX512 inline __m512 load(const at::BFloat16* p, __mmask16 k) {
-  __m256i half = _mm256_maskz_loadu_epi16(k, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// Rounded to the storage type as torch rounds float -> bfloat16 (to nearest even); NaN stays NaN.
-AVX512 inline __m512 round_to(__m512 v, const float*) { return v; }
-
-AVX512 inline __m512 round_to(__m512 v, const at::BFloat16*) {
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
-}
-
-AVX512 inline void store(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
-
-AVX512 inline void store(at::BFloat16* p, __m512 v, __mmask16 k) {
-  __m512i bits = _mm512_castps_si512(round_to(v, p));
-  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
-
-inline __mmask16 tail(int64_t left) {
-  return left >= LANES ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-}
 
 bool supported() {
   static const bool ok = [] {
@@ -231,7 +199,7 @@ AVX512 void scores_of(const float* q, const C* keys, int64_t stride, int64_t see
         if (j >= n) continue;
         const C* kj = keys + (j0 + j) * stride;
         for (int64_t c = 0; c < chunks; ++c) {
-          __mmask16 k = NC ? static_cast<__mmask16>(0xffff) : tail(dim - c * LANES);
+          __mmask16 k = NC ? ALL : tail(dim - c * LANES);
           acc[j] = _mm512_fmadd_ps(load(qg + c * LANES, k), load(kj + c * LANES, k), acc[j]);
         }
       }
@@ -284,7 +252,7 @@ AVX512 void weighted_sum(const float* probs, const C* values, int64_t stride, in
           const __m512 pj = _mm512_set1_ps(p[j]);
           const C* vj = values + j * stride;
           for (int c = 0; c < NC; ++c)
-            acc[c] = _mm512_fmadd_ps(pj, load(vj + c * LANES, static_cast<__mmask16>(0xffff)), acc[c]);
+            acc[c] = _mm512_fmadd_ps(pj, load(vj + c * LANES, ALL), acc[c]);
         }
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + c * LANES, acc[c]);
       } else {
