@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -222,26 +223,44 @@ def threads_beside(engine_cfg: EngineConfig, runtime: LLMRuntime, cache_dir: str
     return chosen
 
 
+# A thread count measured while other work held the cores favours fewer threads (a team waits for
+# its slowest thread): a record taken at a load this much above the load now is measured again.
+# One measured during a test run here chose 1 thread (7.7 ms a step against 7.6 on 2); on the
+# idle machine 2 threads stepped in 4.4 ms against 6.0 (Intel Xeon, 2026-12-07).
+BUSIER = 0.5
+
+
+def machine_load() -> float:
+    """The 1-minute load average, processes running or waiting for a core."""
+    return os.getloadavg()[0]
+
+
 def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: LoadedModel,
                     measurements: CostModelCache, beside: threads.Load | None,
                     progress: Callable[[str], None], counts: list[int] | None = None,
                     label: str = "engine.threads auto") -> dict | None:
     """With `engine.threads: auto` on a CPU of several cores: the count of `counts` (1, 2, 4,
     ... up to the cores when None) that `llm_engine.threads` measures fastest beside `beside`,
-    measured once per machine, model, format and load, and cached. Sets torch's threads to it;
-    returns the record (None: nothing chosen)."""
+    measured once per machine, model, format and load, and cached (measured again where the
+    machine was busier then than now: `BUSIER`). Sets torch's threads to it; returns the record
+    (None: nothing chosen)."""
     counts = counts or threads.candidates()
     if engine_cfg.threads != "auto" or runner.device.type != "cpu" or len(counts) == 1:
         return None
     key = {**_runner_key(runner, target), "part": "threads", "counts": counts,
            "beside": beside.name if beside else "nothing"}
-    record = measurements.load_record(key)
+    record, load = measurements.load_record(key), machine_load()
+    if record is not None and record.get("load_1m", 0.0) - load >= BUSIER:
+        progress(f"measuring the engine's threads again: the cached choice was measured on a "
+                 f"busier machine (load {record['load_1m']:.1f} then, {load:.1f} now)")
+        record = None
     if record is None:
         progress(f"measuring the engine's step on {', '.join(map(str, counts))} threads beside "
                  f"{key['beside']} ...")
         chosen, medians = threads.choose_threads(runner, counts, beside.run if beside else None)
         record = {"chosen": chosen, "step_ms": {str(n): round(ms, 2) for n, ms in medians.items()},
-                  "measured_at": datetime.now(UTC).isoformat(timespec="seconds")}
+                  "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                  "load_1m": round(load, 2)}
         measurements.save_record(key, record)
     torch.set_num_threads(record["chosen"])
     steps = ", ".join(f"{n} thread{'s' * (n != '1')} {ms:.1f} ms"

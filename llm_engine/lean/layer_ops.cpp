@@ -8,7 +8,8 @@
 // rounded step by step as torch's elementwise ops round it (bf16 activations: each product and
 // the sum to bf16), so keys written here equal keys the prefill's torch path writes. Scores,
 // softmax and the weighted sum run in fp32 over the keys up to the row's own position: no mask,
-// no padding.
+// no padding. With bf16 activations and cache on AVX512-BF16, the scores' products are taken
+// by vdpbf16ps (exact: queries and keys are bf16), summed in fp32.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -31,6 +33,17 @@ bool supported() {
   }();
   return ok;
 }
+
+// AVX512-BF16's vdpbf16ps: bf16 queries' and keys' dot products in half the instructions.
+bool has_bf16_dot() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+  }();
+  return ok;
+}
+
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // e^x in fp32 (Cephes' expf polynomial, scaled by 2^n with vscalefps); within 2 ulp.
 AVX512 inline __m512 exp16(__m512 x) {
@@ -183,110 +196,126 @@ AVX512 inline __m512 sums16(const __m512* v) {
                        _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// A key head's scores [groups][seen] for its query heads q [groups][dim], NC chunks of 16 a head
-// (NC = 0: any dim, in masked chunks), sixteen keys at a time.
+// One query head's scores over keys 0 .. seen - 1, NC chunks of 16 a head (NC = 0: any dim, in
+// masked chunks), sixteen keys at a time.
 template <int NC, typename C>
-AVX512 void scores_of(const float* q, const C* keys, int64_t stride, int64_t seen, int64_t groups,
-                      int64_t dim, float scale, float* scores) {
+AVX512 void scores_of(const float* q, const C* keys, int64_t stride, int64_t seen, int64_t dim,
+                      float scale, float* scores) {
   const int64_t chunks = NC ? NC : (dim + LANES - 1) / LANES;
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* qg = q + g * dim;
-    for (int64_t j0 = 0; j0 < seen; j0 += LANES) {
-      const int64_t n = std::min<int64_t>(LANES, seen - j0);
-      __m512 acc[LANES];
-      for (int64_t j = 0; j < LANES; ++j) {
-        acc[j] = _mm512_setzero_ps();
-        if (j >= n) continue;
-        const C* kj = keys + (j0 + j) * stride;
-        for (int64_t c = 0; c < chunks; ++c) {
-          __mmask16 k = NC ? ALL : tail(dim - c * LANES);
-          acc[j] = _mm512_fmadd_ps(load(qg + c * LANES, k), load(kj + c * LANES, k), acc[j]);
-        }
+  for (int64_t j0 = 0; j0 < seen; j0 += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, seen - j0);
+    __m512 acc[LANES];
+    for (int64_t j = 0; j < LANES; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j >= n) continue;
+      const C* kj = keys + (j0 + j) * stride;
+      for (int64_t c = 0; c < chunks; ++c) {
+        __mmask16 k = NC ? ALL : tail(dim - c * LANES);
+        acc[j] = _mm512_fmadd_ps(load(q + c * LANES, k), load(kj + c * LANES, k), acc[j]);
       }
-      _mm512_mask_storeu_ps(scores + g * seen + j0, tail(n),
-                            _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale)));
     }
+    _mm512_mask_storeu_ps(scores + j0, tail(n), _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale)));
   }
 }
 
-// Each row of scores [groups][seen] to its softmax, in place.
-AVX512 void softmax_rows(float* scores, int64_t groups, int64_t seen) {
-  for (int64_t g = 0; g < groups; ++g) {
-    float* s = scores + g * seen;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < seen; j += LANES)
-      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail(seen - j), s + j));
-    __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < seen; j += LANES) {
-      __mmask16 k = tail(seen - j);
-      __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), peak)));
-      _mm512_mask_storeu_ps(s + j, k, e);
-      total = _mm512_add_ps(total, e);
+// The same scores from bf16 queries and keys (exact there, so the products are too), 32 of a
+// head's dims an instruction: NC chunks of 32, dim = 32 NC.
+template <int NC>
+AVX512_BF16 void scores_bf16(const at::BFloat16* q, const at::BFloat16* keys, int64_t stride,
+                             int64_t seen, float scale, float* scores) {
+  __m512bh qc[NC];
+  for (int c = 0; c < NC; ++c) qc[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int64_t j0 = 0; j0 < seen; j0 += LANES) {
+    const int64_t n = std::min<int64_t>(LANES, seen - j0);
+    __m512 acc[LANES];
+    for (int64_t j = 0; j < LANES; ++j) {
+      acc[j] = _mm512_setzero_ps();
+      if (j >= n) continue;
+      const at::BFloat16* kj = keys + (j0 + j) * stride;
+      for (int c = 0; c < NC; ++c)
+        acc[j] = _mm512_dpbf16_ps(acc[j], qc[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
     }
-    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-    for (int64_t j = 0; j < seen; j += LANES) {
-      __mmask16 k = tail(seen - j);
-      _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
-    }
+    _mm512_mask_storeu_ps(scores + j0, tail(n), _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale)));
   }
 }
 
-// out [groups][dim] = probs [groups][seen] times the values, key by key, in blocks of keys whose
-// values stay in L1 while every query head of the key head takes them.
+// Scores [seen] to their softmax, in place.
+AVX512 void softmax(float* s, int64_t seen) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < seen; j += LANES)
+    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail(seen - j), s + j));
+  __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; j += LANES) {
+    __mmask16 k = tail(seen - j);
+    __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), peak)));
+    _mm512_mask_storeu_ps(s + j, k, e);
+    total = _mm512_add_ps(total, e);
+  }
+  __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+  for (int64_t j = 0; j < seen; j += LANES) {
+    __mmask16 k = tail(seen - j);
+    _mm512_mask_storeu_ps(s + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), inv));
+  }
+}
+
+// out [dim] = probs [seen] times the values, key by key.
 template <int NC, typename C>
-AVX512 void weighted_sum(const float* probs, const C* values, int64_t stride, int64_t seen,
-                         int64_t groups, int64_t dim, float* out) {
-  constexpr int64_t BLOCK = 64;
-  constexpr int MAX_CHUNKS = NC ? NC : 1;
-  for (int64_t i = 0; i < groups * dim; ++i) out[i] = 0.0f;
-  for (int64_t j0 = 0; j0 < seen; j0 += BLOCK) {
-    const int64_t j1 = std::min(seen, j0 + BLOCK);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* p = probs + g * seen;
-      float* o = out + g * dim;
-      if constexpr (NC > 0) {
-        __m512 acc[MAX_CHUNKS];
-        for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(o + c * LANES);
-        for (int64_t j = j0; j < j1; ++j) {
-          const __m512 pj = _mm512_set1_ps(p[j]);
-          const C* vj = values + j * stride;
-          for (int c = 0; c < NC; ++c)
-            acc[c] = _mm512_fmadd_ps(pj, load(vj + c * LANES, ALL), acc[c]);
-        }
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + c * LANES, acc[c]);
-      } else {
-        for (int64_t i = 0; i < dim; i += LANES) {
-          __mmask16 k = tail(dim - i);
-          __m512 acc = _mm512_maskz_loadu_ps(k, o + i);
-          for (int64_t j = j0; j < j1; ++j)
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load(values + j * stride + i, k), acc);
-          _mm512_mask_storeu_ps(o + i, k, acc);
-        }
-      }
+AVX512 void weighted_sum(const float* p, const C* values, int64_t stride, int64_t seen,
+                         int64_t dim, float* out) {
+  if constexpr (NC > 0) {
+    __m512 acc[NC];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      const C* vj = values + j * stride;
+      for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pj, load(vj + c * LANES, ALL), acc[c]);
+    }
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + c * LANES, acc[c]);
+  } else {
+    for (int64_t i = 0; i < dim; i += LANES) {
+      __mmask16 k = tail(dim - i);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < seen; ++j)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load(values + j * stride + i, k), acc);
+      _mm512_mask_storeu_ps(out + i, k, acc);
     }
   }
 }
 
-// Attention of one row and one key head: its `groups` query heads over keys 0 .. seen - 1.
+// weighted_sum's sums, the same additions in the same order, from bf16 values in NC chunks of 32
+// dims: a 64-byte load's even dims are its 32-bit lanes shifted up 16 bits and its odd dims the
+// lanes' high halves, so 32 values widen in two instructions (16 took two: vpmovzxwd, a shift).
+template <int NC>
+AVX512 void weighted_sum_bf16(const float* p, const at::BFloat16* values, int64_t stride,
+                              int64_t seen, float* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  __m512 even[NC], odd[NC];
+  for (int c = 0; c < NC; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const at::BFloat16* vj = values + j * stride;
+    for (int c = 0; c < NC; ++c) {
+      __m512i v = _mm512_loadu_si512(vj + 32 * c);
+      even[c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), even[c]);
+      odd[c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_and_si512(v, high)), odd[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) {  // back in order: lanes 2i and 2i + 1 of 32
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(even[c], lo, odd[c]));
+    _mm512_storeu_ps(out + 32 * c + LANES, _mm512_permutex2var_ps(even[c], hi, odd[c]));
+  }
+}
+
+// Attention of one query head of one row over keys 0 .. seen - 1.
 template <int NC, typename C>
 AVX512 void attend_row(const float* q, const C* keys, const C* values, int64_t stride,
-                       int64_t seen, int64_t groups, int64_t dim, float scale, float* scores,
-                       float* out) {
-  scores_of<NC>(q, keys, stride, seen, groups, dim, scale, scores);
-  softmax_rows(scores, groups, seen);
-  weighted_sum<NC>(scores, values, stride, seen, groups, dim, out);
-}
-
-template <typename C>
-void attend_row_any(const float* q, const C* keys, const C* values, int64_t stride, int64_t seen,
-                    int64_t groups, int64_t dim, float scale, float* scores, float* out) {
-  switch (dim) {  // the usual head sizes with their chunks in registers
-    case 32: attend_row<2>(q, keys, values, stride, seen, groups, dim, scale, scores, out); break;
-    case 64: attend_row<4>(q, keys, values, stride, seen, groups, dim, scale, scores, out); break;
-    case 128: attend_row<8>(q, keys, values, stride, seen, groups, dim, scale, scores, out); break;
-    default: attend_row<0>(q, keys, values, stride, seen, groups, dim, scale, scores, out);
-  }
+                       int64_t seen, int64_t dim, float scale, float* scores, float* out) {
+  scores_of<NC>(q, keys, stride, seen, dim, scale, scores);
+  softmax(scores, seen);
+  weighted_sum<NC>(scores, values, stride, seen, dim, out);
 }
 
 // fp32 results to the activations' type (a lambda does not take a function's target attribute)
@@ -297,6 +326,43 @@ AVX512 void copy_out(const float* from, T* to, int64_t n) {
     store(to + i, _mm512_maskz_loadu_ps(k, from + i), k);
   }
 }
+
+// A bf16 cache's heads of 32, 64 or 128 dims: the values widened two lanes an instruction, and
+// with bf16 activations (queries exact in bf16) on AVX512-BF16, the scores by vdpbf16ps.
+template <int NC>
+void attend_row_bf16(const float* q, const at::BFloat16* keys, const at::BFloat16* values,
+                     int64_t stride, int64_t seen, float scale, bool bf16_dot, float* scores,
+                     float* out) {
+  if (bf16_dot) {
+    alignas(64) at::BFloat16 q16[32 * NC];
+    copy_out(q, q16, 32 * NC);
+    scores_bf16<NC>(q16, keys, stride, seen, scale, scores);
+  } else {
+    scores_of<2 * NC>(q, keys, stride, seen, 32 * NC, scale, scores);
+  }
+  softmax(scores, seen);
+  weighted_sum_bf16<NC>(scores, values, stride, seen, out);
+}
+
+template <typename T, typename C>
+void attend_row_any(const float* q, const C* keys, const C* values, int64_t stride, int64_t seen,
+                    int64_t dim, float scale, float* scores, float* out) {
+  if constexpr (std::is_same_v<C, at::BFloat16>) {
+    const bool bf16_dot = std::is_same_v<T, at::BFloat16> && has_bf16_dot();
+    switch (dim) {
+      case 32: return attend_row_bf16<1>(q, keys, values, stride, seen, scale, bf16_dot, scores, out);
+      case 64: return attend_row_bf16<2>(q, keys, values, stride, seen, scale, bf16_dot, scores, out);
+      case 128: return attend_row_bf16<4>(q, keys, values, stride, seen, scale, bf16_dot, scores, out);
+    }
+  }
+  switch (dim) {  // the usual head sizes with their chunks in registers
+    case 32: attend_row<2>(q, keys, values, stride, seen, dim, scale, scores, out); break;
+    case 64: attend_row<4>(q, keys, values, stride, seen, dim, scale, scores, out); break;
+    case 128: attend_row<8>(q, keys, values, stride, seen, dim, scale, scores, out); break;
+    default: attend_row<0>(q, keys, values, stride, seen, dim, scale, scores, out);
+  }
+}
+
 
 template <typename T, typename C>
 void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -331,22 +397,26 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   }
   T* o = out.data_ptr<T>();
   const float s = static_cast<float>(scale);
-  int64_t work = 0;
-  for (int64_t row = 0; row < rows; ++row) work += (position[row] + 1) * heads * dim;
-  // About 256k multiply-adds a task: below that the threads' start costs more than they share.
-  const int64_t grain = std::max<int64_t>(1, rows * kv_heads * 262144 / std::max<int64_t>(work, 1));
-  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, result(groups * dim);
+  int64_t work = 0;  // multiply-adds: a query head's scores and sum over its row's keys
+  for (int64_t row = 0; row < rows; ++row) work += 2 * (position[row] + 1) * heads * dim;
+  // A task a query head of a row; key head by key head, so that both threads take rows of every
+  // length, and within one the row's query heads of that key head in turn (its keys stay in L1).
+  // About 32k multiply-adds a task: below that the threads' start costs more than they share.
+  const int64_t tasks = rows * heads;
+  const int64_t grain = std::max<int64_t>(1, tasks * 32768 / std::max<int64_t>(work, 1));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, result(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / kv_heads, h = task % kv_heads;
+      const int64_t kv = task / (rows * groups), row = task / groups % rows;
+      const int64_t h = kv * groups + task % groups;
       const Part& part = parts[part_of[row]];
       const int64_t seen = position[row] + 1;
-      scores.resize(groups * seen);
-      const C* keys = reinterpret_cast<const C*>(part.k) + h * part.head_stride;
-      const C* values = reinterpret_cast<const C*>(part.v) + h * part.head_stride;
-      attend_row_any(&q[(row * heads + h * groups) * dim], keys, values, part.position_stride, seen,
-                 groups, dim, s, scores.data(), result.data());
-      copy_out(result.data(), o + row * heads * dim + h * groups * dim, groups * dim);
+      scores.resize(seen);
+      const C* keys = reinterpret_cast<const C*>(part.k) + kv * part.head_stride;
+      const C* values = reinterpret_cast<const C*>(part.v) + kv * part.head_stride;
+      attend_row_any<T>(&q[(row * heads + h) * dim], keys, values, part.position_stride, seen, dim,
+                     s, scores.data(), result.data());
+      copy_out(result.data(), o + (row * heads + h) * dim, dim);
     }
   });
 }

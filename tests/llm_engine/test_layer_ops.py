@@ -153,18 +153,20 @@ def test_a_rows_attention_is_bit_identical_alone_batched_or_in_a_verify(cache_dt
     assert torch.equal(keys3, keys) and torch.equal(values3, values)
 
 
-def test_the_attention_does_not_depend_on_the_thread_count():
-    # long enough that the rows' heads are split between threads
-    qkv = torch.randn(16, (HEADS + 2 * KV_HEADS) * DIM).bfloat16()
-    history = torch.randn(LAYERS, KV_HEADS, 1000, DIM)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_the_attention_does_not_depend_on_the_thread_count(cache_dtype, rows):
+    # long enough that a row's heads are split between threads
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM).bfloat16()
+    history = torch.randn(LAYERS, KV_HEADS, 1000, DIM).to(cache_dtype)
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            keys, values = cache(torch.float32, 1024)
+            keys, values = cache(cache_dtype, 1024)
             keys[:, :, :1000], values[:, :, :1000] = history, history.flip(0)
-            outs.append(attend(qkv, torch.arange(1000, 1016), [(keys, values, 1000, 16)]))
+            outs.append(attend(qkv, torch.arange(1000, 1000 + rows), [(keys, values, 1000, rows)]))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1])

@@ -7,6 +7,7 @@ import torch
 from llm_engine.sampling import gumbel_noise
 from llm_engine.verify import (
     VerifyResult,
+    argmax_rows,
     clip_committed,
     mask_logits,
     residual_distribution,
@@ -27,6 +28,15 @@ def greedy_logits(choices: list[int]) -> torch.Tensor:
 
 
 # -- greedy ---------------------------------------------------------------------------------------
+
+
+def test_argmax_rows_picks_as_torch_does_ties_nan_and_infinities():
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, nan, 3.0, nan], [-inf] * 4, [2.0, 5.0, 5.0, 1.0],
+                         [inf, nan, inf, 1.0], [0.5, -1.0, 7.0, 7.0]])
+    wide = torch.randn(3, 49152)
+    for logits in (rows, wide, wide[:, ::2], wide.bfloat16()):
+        assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
 
 
 def test_greedy_all_accepted_adds_bonus_token():

@@ -16,6 +16,7 @@ from llm_engine.loading import LoadedModel
 from llm_engine.runner import EagerRunner
 from llm_engine.threads import Load
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
+from voiceagent import llm_setup
 from voiceagent.llm_setup import _attention_dtype, _choose_threads, make_runner
 
 
@@ -60,6 +61,7 @@ def test_the_invariance_probe_runs_once_and_a_later_runner_takes_its_answer(tmp_
 def test_the_engine_threads_are_measured_once_beside_their_load_and_then_read(tmp_path,
                                                                              monkeypatch):
     monkeypatch.setattr(threads, "candidates", lambda: [1, 2])
+    monkeypatch.setattr(llm_setup, "machine_load", lambda: 0.3)
     before = torch.get_num_threads()
     tokenizer = make_tokenizer()
     target = LoadedModel("tiny", "tiny", None, None, None, make_model(len(tokenizer), seed=0),
@@ -83,5 +85,31 @@ def test_the_engine_threads_are_measured_once_beside_their_load_and_then_read(tm
                                said.append) is None
         _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
         assert len(_records(tmp_path, "threads")) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_measured_on_a_busier_machine_are_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(threads, "candidates", lambda: [1, 2])
+    tokenizer = make_tokenizer()
+    target = LoadedModel("tiny", "tiny", None, None, None, make_model(len(tokenizer), seed=0),
+                         tokenizer, "cpu", "float32", 0, 0.0, False)
+    runner, cache, said = EagerRunner(target.model), CostModelCache(tmp_path), []
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(llm_setup, "machine_load", lambda: 2.1)  # a test run beside it
+        _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
+        (record,) = _records(tmp_path, "threads")
+        assert json.loads(record.read_text())["load_1m"] == 2.1
+        # as busy or busier now: the record stands
+        monkeypatch.setattr(llm_setup, "machine_load", lambda: 1.8)
+        _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
+        assert sum("measuring the engine's step" in line for line in said) == 1
+        # idle now: measured again, and the new record says at which load
+        monkeypatch.setattr(llm_setup, "machine_load", lambda: 0.2)
+        _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
+        assert any("busier machine (load 2.1 then, 0.2 now)" in line for line in said)
+        assert sum("measuring the engine's step" in line for line in said) == 2
+        assert json.loads(record.read_text())["load_1m"] == 0.2
     finally:
         torch.set_num_threads(before)
