@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -72,6 +73,29 @@ def choose_threads(runner: TargetRunner, counts: list[int],
     chosen = fewest_as_fast(medians)
     torch.set_num_threads(chosen)
     return chosen, medians
+
+
+def other_work(window_s: float = 0.25) -> float:
+    """Cores' worth of other processes' work over the next `window_s`: the machine's busy time
+    (/proc/stat) less this process's own (os.times), so what this process ran before (loading,
+    measuring) does not count. 0.0 where /proc/stat cannot be read."""
+    def busy() -> float:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def own() -> float:
+        times = os.times()
+        return times.user + times.system
+
+    try:
+        machine, mine, start = busy(), own(), time.monotonic()
+        time.sleep(window_s)
+        machine, mine = busy() - machine, own() - mine
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, (machine - mine) / (time.monotonic() - start))
 
 
 def fewest_as_fast(step_ms: dict[int, float]) -> int:

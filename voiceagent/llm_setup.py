@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -224,15 +223,11 @@ def threads_beside(engine_cfg: EngineConfig, runtime: LLMRuntime, cache_dir: str
 
 
 # A thread count measured while other work held the cores favours fewer threads (a team waits for
-# its slowest thread): a record taken at a load this much above the load now is measured again.
-# One measured during a test run here chose 1 thread (7.7 ms a step against 7.6 on 2); on the
-# idle machine 2 threads stepped in 4.4 ms against 6.0 (Intel Xeon, 2026-12-07).
+# its slowest thread): a record taken with this many cores' worth of other processes' work more
+# than now (`threads.other_work`) is measured again. One measured during a test run here chose 1
+# thread (7.7 ms a step against 7.6 on 2); on the idle machine 2 threads stepped in 3.8 ms
+# against 5.0 (Intel Xeon, 2026-12-07).
 BUSIER = 0.5
-
-
-def machine_load() -> float:
-    """The 1-minute load average, processes running or waiting for a core."""
-    return os.getloadavg()[0]
 
 
 def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: LoadedModel,
@@ -249,10 +244,14 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
         return None
     key = {**_runner_key(runner, target), "part": "threads", "counts": counts,
            "beside": beside.name if beside else "nothing"}
-    record, load = measurements.load_record(key), machine_load()
-    if record is not None and record.get("load_1m", 0.0) - load >= BUSIER:
-        progress(f"measuring the engine's threads again: the cached choice was measured on a "
-                 f"busier machine (load {record['load_1m']:.1f} then, {load:.1f} now)")
+    record, others = measurements.load_record(key), threads.other_work()
+    if record is not None and "other_work" not in record:
+        progress("measuring the engine's threads again: the cached choice does not say how busy "
+                 "the machine was")
+        record = None
+    elif record is not None and round(record["other_work"] - others, 2) >= BUSIER:
+        progress(f"measuring the engine's threads again: the cached choice was measured beside "
+                 f"other work ({record['other_work']:.1f} cores then, {others:.1f} now)")
         record = None
     if record is None:
         progress(f"measuring the engine's step on {', '.join(map(str, counts))} threads beside "
@@ -260,7 +259,7 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
         chosen, medians = threads.choose_threads(runner, counts, beside.run if beside else None)
         record = {"chosen": chosen, "step_ms": {str(n): round(ms, 2) for n, ms in medians.items()},
                   "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                  "load_1m": round(load, 2)}
+                  "other_work": round(others, 2)}
         measurements.save_record(key, record)
     torch.set_num_threads(record["chosen"])
     steps = ", ".join(f"{n} thread{'s' * (n != '1')} {ms:.1f} ms"

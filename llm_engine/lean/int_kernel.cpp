@@ -72,7 +72,7 @@ VNNI void quantise_row(const T* x, int64_t groups, int8_t* q, int8_t* r, float* 
 
 // R rows of one block of 16 outputs.
 template <int BITS, int R, typename T>
-VNNI void block_rows(const uint8_t* codes, const at::Half* d, const at::Half* m, int64_t groups,
+VNNI void block_rows(const uint8_t* codes, uintptr_t codes_end, const at::Half* d, const at::Half* m, int64_t groups,
                      const int8_t* q, const int8_t* rq, const float* dx, const float* sx, int64_t in_features,
                      const float* bias, T* out, int64_t out_stride, __mmask16 mask) {
   constexpr int64_t BLOCK_BYTES = LANES * GROUP * BITS / 8;
@@ -81,10 +81,12 @@ VNNI void block_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = codes + g * BLOCK_BYTES;
-    // the codes AHEAD groups on: one core's hardware prefetch alone left a row's pass waiting on
-    // memory (a prefetch never faults, past the end included)
-    for (int64_t line = 0; line < BLOCK_BYTES; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + AHEAD * BLOCK_BYTES + line), _MM_HINT_T0);
+    // the codes AHEAD groups on (into the next block near the end: the same thread takes it
+    // next): one core's hardware prefetch alone left a pass waiting on memory
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(block) + AHEAD * BLOCK_BYTES;
+    if (ahead < codes_end)
+      for (int64_t line = 0; line < BLOCK_BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
     __m512i w[8];
     for (int p = 0; p < 8 * BITS / 8; ++p) {
       __m512i v = _mm512_loadu_si512(block + 64 * p);
@@ -116,7 +118,7 @@ VNNI void block_rows(const uint8_t* codes, const at::Half* d, const at::Half* m,
 }
 
 template <int BITS, typename T>
-VNNI void block(const uint8_t* codes, const at::Half* d, const at::Half* m, int64_t groups,
+VNNI void block(const uint8_t* codes, uintptr_t codes_end, const at::Half* d, const at::Half* m, int64_t groups,
                 const int8_t* q, const int8_t* rq, const float* dx, const float* sx, int64_t rows,
                 int64_t in_features, const float* bias, T* out, int64_t out_stride,
                 __mmask16 mask) {
@@ -126,9 +128,9 @@ VNNI void block(const uint8_t* codes, const at::Half* d, const at::Half* m, int6
     T* o = out + r0 * out_stride;
     switch (std::min<int64_t>(MAX_ROWS, rows - r0)) {
 #define ROWS_CASE(R) \
-      case R: block_rows<BITS, R>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
+      case R: block_rows<BITS, R>(codes, codes_end, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask); break;
       ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
-      default: block_rows<BITS, MAX_ROWS>(codes, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask);
+      default: block_rows<BITS, MAX_ROWS>(codes, codes_end, d, m, groups, qr, rr, dxr, sxr, in_features, bias, o, out_stride, mask);
 #undef ROWS_CASE
     }
   }
@@ -151,6 +153,7 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
   const at::Half *dp = d.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
   TOut* op = out.data_ptr<TOut>();
   const int64_t block_bytes = groups * LANES * GROUP * bits / 8;
+  const uintptr_t codes_end = reinterpret_cast<uintptr_t>(cp + blocks * block_bytes);
   // About 64k products a task: fewer, and the threads' start costs more than they share.
   const int64_t grain = std::max<int64_t>(1, 65536 / (LANES * in_features * rows));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -161,10 +164,10 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
       const uint8_t* c = cp + b * block_bytes;
       const at::Half *db = dp + b * groups * LANES, *mb = mp + b * groups * LANES;
       if (bits == 4)
-        block<4>(c, db, mb, groups, qp, rp, dx, sx, rows, in_features, bb, op + b * LANES,
+        block<4>(c, codes_end, db, mb, groups, qp, rp, dx, sx, rows, in_features, bb, op + b * LANES,
                  out_features, mask);
       else
-        block<8>(c, db, mb, groups, qp, rp, dx, sx, rows, in_features, bb, op + b * LANES,
+        block<8>(c, codes_end, db, mb, groups, qp, rp, dx, sx, rows, in_features, bb, op + b * LANES,
                  out_features, mask);
     }
   });

@@ -9,7 +9,8 @@
 // the sum to bf16), so keys written here equal keys the prefill's torch path writes. Scores,
 // softmax and the weighted sum run in fp32 over the keys up to the row's own position: no mask,
 // no padding. With bf16 activations and cache on AVX512-BF16, the scores' products are taken
-// by vdpbf16ps (exact: queries and keys are bf16), summed in fp32.
+// by vdpbf16ps (queries and keys are bf16, so the products are exact but for subnormals, which
+// it flushes), summed in fp32.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +20,7 @@
 
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -34,13 +36,16 @@ bool supported() {
   return ok;
 }
 
-// AVX512-BF16's vdpbf16ps: bf16 queries' and keys' dot products in half the instructions.
-bool has_bf16_dot() {
+// AVX512-BF16's vdpbf16ps: bf16 queries' and keys' dot products in half the instructions, where
+// the CPU has it and `use_bf16_dot` (for the tests of the other path) has not turned it off.
+std::atomic<bool> bf16_dot_wanted{true};
+
+bool bf16_dot() {
   static const bool ok = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16");
   }();
-  return ok;
+  return ok && bf16_dot_wanted.load(std::memory_order_relaxed);
 }
 
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -218,8 +223,8 @@ AVX512 void scores_of(const float* q, const C* keys, int64_t stride, int64_t see
   }
 }
 
-// The same scores from bf16 queries and keys (exact there, so the products are too), 32 of a
-// head's dims an instruction: NC chunks of 32, dim = 32 NC.
+// The same scores from bf16 queries and keys, whose products are exact in fp32 (vdpbf16ps flushes
+// subnormals), 32 of a head's dims an instruction: NC chunks of 32, dim = 32 NC.
 template <int NC>
 AVX512_BF16 void scores_bf16(const at::BFloat16* q, const at::BFloat16* keys, int64_t stride,
                              int64_t seen, float scale, float* scores) {
@@ -327,13 +332,13 @@ AVX512 void copy_out(const float* from, T* to, int64_t n) {
   }
 }
 
-// A bf16 cache's heads of 32, 64 or 128 dims: the values widened two lanes an instruction, and
-// with bf16 activations (queries exact in bf16) on AVX512-BF16, the scores by vdpbf16ps.
+// A bf16 cache's heads of 32, 64 or 128 dims: the values widened 32 at a time, and with `use_dot`
+// (bf16 activations, so the queries are bf16-exact, on AVX512-BF16) the scores by vdpbf16ps.
 template <int NC>
 void attend_row_bf16(const float* q, const at::BFloat16* keys, const at::BFloat16* values,
-                     int64_t stride, int64_t seen, float scale, bool bf16_dot, float* scores,
+                     int64_t stride, int64_t seen, float scale, bool use_dot, float* scores,
                      float* out) {
-  if (bf16_dot) {
+  if (use_dot) {
     alignas(64) at::BFloat16 q16[32 * NC];
     copy_out(q, q16, 32 * NC);
     scores_bf16<NC>(q16, keys, stride, seen, scale, scores);
@@ -344,15 +349,14 @@ void attend_row_bf16(const float* q, const at::BFloat16* keys, const at::BFloat1
   weighted_sum_bf16<NC>(scores, values, stride, seen, out);
 }
 
-template <typename T, typename C>
+template <typename C>
 void attend_row_any(const float* q, const C* keys, const C* values, int64_t stride, int64_t seen,
-                    int64_t dim, float scale, float* scores, float* out) {
+                    int64_t dim, float scale, bool use_dot, float* scores, float* out) {
   if constexpr (std::is_same_v<C, at::BFloat16>) {
-    const bool bf16_dot = std::is_same_v<T, at::BFloat16> && has_bf16_dot();
     switch (dim) {
-      case 32: return attend_row_bf16<1>(q, keys, values, stride, seen, scale, bf16_dot, scores, out);
-      case 64: return attend_row_bf16<2>(q, keys, values, stride, seen, scale, bf16_dot, scores, out);
-      case 128: return attend_row_bf16<4>(q, keys, values, stride, seen, scale, bf16_dot, scores, out);
+      case 32: return attend_row_bf16<1>(q, keys, values, stride, seen, scale, use_dot, scores, out);
+      case 64: return attend_row_bf16<2>(q, keys, values, stride, seen, scale, use_dot, scores, out);
+      case 128: return attend_row_bf16<4>(q, keys, values, stride, seen, scale, use_dot, scores, out);
     }
   }
   switch (dim) {  // the usual head sizes with their chunks in registers
@@ -362,7 +366,6 @@ void attend_row_any(const float* q, const C* keys, const C* values, int64_t stri
     default: attend_row<0>(q, keys, values, stride, seen, dim, scale, scores, out);
   }
 }
-
 
 template <typename T, typename C>
 void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -399,10 +402,13 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   const float s = static_cast<float>(scale);
   int64_t work = 0;  // multiply-adds: a query head's scores and sum over its row's keys
   for (int64_t row = 0; row < rows; ++row) work += 2 * (position[row] + 1) * heads * dim;
-  // A task a query head of a row; key head by key head, so that both threads take rows of every
-  // length, and within one the row's query heads of that key head in turn (its keys stay in L1).
+  // A task a query head of a row: key head by key head (the threads' shares mix rows of every
+  // length), then row by row, the row's query heads of that key head in turn (its keys and
+  // values read again while still in cache).
   // About 32k multiply-adds a task: below that the threads' start costs more than they share.
   const int64_t tasks = rows * heads;
+  // queries are bf16-exact with bf16 activations (the rotary rounds them so)
+  const bool dot = std::is_same_v<T, at::BFloat16> && bf16_dot();
   const int64_t grain = std::max<int64_t>(1, tasks * 32768 / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, result(dim);
@@ -414,8 +420,8 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
       scores.resize(seen);
       const C* keys = reinterpret_cast<const C*>(part.k) + kv * part.head_stride;
       const C* values = reinterpret_cast<const C*>(part.v) + kv * part.head_stride;
-      attend_row_any<T>(&q[(row * heads + h) * dim], keys, values, part.position_stride, seen, dim,
-                     s, scores.data(), result.data());
+      attend_row_any(&q[(row * heads + h) * dim], keys, values, part.position_stride, seen, dim, s,
+                     dot, scores.data(), result.data());
       copy_out(result.data(), o + (row * heads + h) * dim, dim);
     }
   });
@@ -476,6 +482,8 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(voiceagent_int, lib) {
+  lib.def("use_bf16_dot", [](bool on) { bf16_dot_wanted.store(on); });
+  lib.def("bf16_dot", []() { return bf16_dot(); });
   lib.def("rms(Tensor x, Tensor weight, float eps) -> Tensor", &rms);
   lib.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
   lib.def("attend(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, "

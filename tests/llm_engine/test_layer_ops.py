@@ -18,6 +18,14 @@ def ops():
     return torch.ops.voiceagent_int
 
 
+@pytest.fixture(params=[True, False], ids=["bf16-dot", "fp32-dot"])
+def bf16_dot(request):
+    """The scores of bf16 queries and keys by vdpbf16ps where the CPU has it, and without."""
+    ops().use_bf16_dot(request.param)
+    yield request.param and ops().bf16_dot()
+    ops().use_bf16_dot(True)
+
+
 def torch_rms(x, weight, eps=1e-5):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -108,7 +116,7 @@ def test_silu_mul_is_silu_of_the_gate_times_the_up_half(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [DIM, 64, 128, 40])  # heads in registers, one in masked chunks
-def test_attend_writes_torchs_rotated_keys_and_attends_causally(dtype, cache_dtype, dim):
+def test_attend_writes_torchs_rotated_keys_and_attends_causally(dtype, cache_dtype, dim, bf16_dot):
     keys, values = cache(cache_dtype, dim=dim)
     rows = 40  # keys in whole blocks of 16 and a part block
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * dim).to(dtype)
@@ -129,7 +137,7 @@ def test_attend_writes_torchs_rotated_keys_and_attends_causally(dtype, cache_dty
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_attention_is_bit_identical_alone_batched_or_in_a_verify(cache_dtype):
+def test_a_rows_attention_is_bit_identical_alone_batched_or_in_a_verify(cache_dtype, bf16_dot):
     qkv = torch.randn(6, (HEADS + 2 * KV_HEADS) * DIM).bfloat16()
     other = torch.randn(3, qkv.shape[1]).bfloat16()
     # a verify: six rows at 20..25 over a cache holding 0..19
@@ -151,6 +159,22 @@ def test_a_rows_attention_is_bit_identical_alone_batched_or_in_a_verify(cache_dt
                     [(other_keys, other_values, 0, 3), (keys3, values3, 20, 6)])
     assert torch.equal(shared[3:], verify)
     assert torch.equal(keys3, keys) and torch.equal(values3, values)
+
+
+@pytest.mark.parametrize("dim", [DIM, 64, 128])
+def test_bf16_values_give_the_sums_of_the_same_values_in_fp32(dim):
+    """A bf16 cache's values are widened 32 at a time and re-interleaved: with fp32 activations
+    (scores in fp32 either way) the output is an fp32 cache's of the same values, bit for bit."""
+    history = torch.randn(LAYERS, KV_HEADS, 30, dim).bfloat16()
+    qkv = torch.randn(3, (HEADS + 2 * KV_HEADS) * dim)
+    qkv[:, HEADS * dim:(HEADS + KV_HEADS) * dim] = 0  # keys rotate to exact zeros
+    qkv[:, (HEADS + KV_HEADS) * dim:] = qkv[:, (HEADS + KV_HEADS) * dim:].bfloat16().float()
+    outs = []
+    for cache_dtype in (torch.bfloat16, torch.float32):
+        keys, values = cache(cache_dtype, dim=dim)
+        keys[:, :, :30], values[:, :, :30] = history, history.flip(0)
+        outs.append(attend(qkv, torch.arange(30, 33), [(keys, values, 30, 3)]))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -16,7 +19,6 @@ from llm_engine.loading import LoadedModel
 from llm_engine.runner import EagerRunner
 from llm_engine.threads import Load
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
-from voiceagent import llm_setup
 from voiceagent.llm_setup import _attention_dtype, _choose_threads, make_runner
 
 
@@ -61,7 +63,7 @@ def test_the_invariance_probe_runs_once_and_a_later_runner_takes_its_answer(tmp_
 def test_the_engine_threads_are_measured_once_beside_their_load_and_then_read(tmp_path,
                                                                              monkeypatch):
     monkeypatch.setattr(threads, "candidates", lambda: [1, 2])
-    monkeypatch.setattr(llm_setup, "machine_load", lambda: 0.3)
+    monkeypatch.setattr(threads, "other_work", lambda: 0.3)
     before = torch.get_num_threads()
     tokenizer = make_tokenizer()
     target = LoadedModel("tiny", "tiny", None, None, None, make_model(len(tokenizer), seed=0),
@@ -89,27 +91,48 @@ def test_the_engine_threads_are_measured_once_beside_their_load_and_then_read(tm
         torch.set_num_threads(before)
 
 
-def test_threads_measured_on_a_busier_machine_are_measured_again(tmp_path, monkeypatch):
+def test_threads_measured_beside_more_other_work_are_measured_again(tmp_path, monkeypatch):
     monkeypatch.setattr(threads, "candidates", lambda: [1, 2])
     tokenizer = make_tokenizer()
     target = LoadedModel("tiny", "tiny", None, None, None, make_model(len(tokenizer), seed=0),
                          tokenizer, "cpu", "float32", 0, 0.0, False)
     runner, cache, said = EagerRunner(target.model), CostModelCache(tmp_path), []
+
+    def measured() -> int:
+        return sum("measuring the engine's step" in line for line in said)
+
     before = torch.get_num_threads()
     try:
-        monkeypatch.setattr(llm_setup, "machine_load", lambda: 2.1)  # a test run beside it
+        monkeypatch.setattr(threads, "other_work", lambda: 0.7)  # a test run beside it
         _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
         (record,) = _records(tmp_path, "threads")
-        assert json.loads(record.read_text())["load_1m"] == 2.1
-        # as busy or busier now: the record stands
-        monkeypatch.setattr(llm_setup, "machine_load", lambda: 1.8)
+        assert json.loads(record.read_text())["other_work"] == 0.7
+        # as busy, busier, or less than BUSIER less busy now: the record stands
+        for now in (0.7, 1.9, 0.21):
+            monkeypatch.setattr(threads, "other_work", lambda now=now: now)
+            _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
+        assert measured() == 1
+        # half a core less: measured again, and the new record says beside how much
+        monkeypatch.setattr(threads, "other_work", lambda: 0.2)
         _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
-        assert sum("measuring the engine's step" in line for line in said) == 1
-        # idle now: measured again, and the new record says at which load
-        monkeypatch.setattr(llm_setup, "machine_load", lambda: 0.2)
+        assert any("beside other work (0.7 cores then, 0.2 now)" in line for line in said)
+        assert measured() == 2 and json.loads(record.read_text())["other_work"] == 0.2
+        # a record that does not say (written before it was kept): measured again, once
+        data = json.loads(record.read_text())
+        del data["other_work"]
+        record.write_text(json.dumps(data))
         _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
-        assert any("busier machine (load 2.1 then, 0.2 now)" in line for line in said)
-        assert sum("measuring the engine's step" in line for line in said) == 2
-        assert json.loads(record.read_text())["load_1m"] == 0.2
+        _choose_threads(EngineConfig(), runner, target, cache, None, said.append)
+        assert measured() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_other_work_counts_another_processs_busy_core():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        assert threads.other_work(0.5) >= 0.5  # a core's worth, less what others took of it
+    finally:
+        busy.kill()
+        busy.wait()
