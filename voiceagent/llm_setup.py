@@ -236,9 +236,9 @@ def _choose_threads(engine_cfg: EngineConfig, runner: TargetRunner, target: Load
                     label: str = "engine.threads auto") -> dict | None:
     """With `engine.threads: auto` on a CPU of several cores: the count of `counts` (1, 2, 4,
     ... up to the cores when None) that `llm_engine.threads` measures fastest beside `beside`,
-    measured once per machine, model, format and load, and cached (measured again where the
-    machine was busier then than now: `BUSIER`). Sets torch's threads to it; returns the record
-    (None: nothing chosen)."""
+    measured once per machine, model, format and load, and cached; measured again where the record
+    was taken beside `BUSIER` cores or more of other processes' work than there is now, or does
+    not say. Sets torch's threads to it; returns the record (None: nothing chosen)."""
     counts = counts or threads.candidates()
     if engine_cfg.threads != "auto" or runner.device.type != "cpu" or len(counts) == 1:
         return None
