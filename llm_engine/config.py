@@ -64,6 +64,9 @@ class SamplingConfig:
     penalty_last_n: int = 0
     seed: int | None = None
     max_new_tokens: int = 128
+    # Decode all max_new_tokens past any EOS (vLLM's ignore_eos): throughput benchmarks, whose
+    # every request must run to the same length. Not for replies.
+    ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     # Constrained decoding: target and drafts are masked to the grammar (`llm_engine.grammar`).
     grammar: GrammarSpec | None = None
@@ -73,6 +76,8 @@ class SamplingConfig:
             raise ValueError("repetition_penalty must be > 0 (1.0 disables it)")
         if self.no_repeat_ngram_size < 0 or self.penalty_last_n < 0:
             raise ValueError("no_repeat_ngram_size and penalty_last_n must be >= 0")
+        if self.ignore_eos and self.grammar is not None:
+            raise ValueError("ignore_eos cannot go with a grammar, which ends in EOS")
 
 
 @dataclass

@@ -482,7 +482,7 @@ class SpeculativeEngine:
         `first` is the cache length before the forward whose hidden states [rows, hidden] these
         are: row i belongs to position first + i.
         """
-        tokens, reason = clip_committed(tokens, self.eos_token_ids, budget)
+        tokens, reason = clip_committed(tokens, self._ends(state), budget)
         state.token_ids.extend(tokens)
         # Drop the KV of rejected drafts (and of anything after an EOS): the cache holds exactly
         # the committed tokens but the last, which the next step feeds.
@@ -495,6 +495,10 @@ class SpeculativeEngine:
         if reason is not None:
             self._finish(state, reason)
         return tokens
+
+    def _ends(self, state: RequestState) -> frozenset[int]:
+        """The tokens that finish the request: EOS, or none with `ignore_eos`."""
+        return frozenset() if state.sampling.ignore_eos else self.eos_token_ids
 
     def _budget(self, state: RequestState) -> int:
         generated = len(state.token_ids) - len(state.prompt_ids)

@@ -182,6 +182,8 @@ def _bench_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", help="sessions decoding at once, comma-separated (e.g. 1,2,4): "
                    "aggregate and per-session tok/s, one step each against one shared forward, "
                    "for each of --methods (default: off and engine.speculation.method)")
+    p.add_argument("--stop-at-eos", action="store_true", help="with --batch, end each session "
+                   "at its EOS (default: every session decodes all --max-new-tokens)")
     _bench_out(p)
 
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
+from llm_engine.config import EngineConfig, GrammarSpec, SamplingConfig, SpeculationConfig
 from llm_engine.cost_model import CostModel
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.runner import EagerRunner
@@ -163,6 +163,21 @@ def test_eos_inside_an_accepted_draft_stops_there(target, tokenizer, prompts):
     assert state.finish_reason == "eos"
     last = state.stats.steps[-1]
     assert last.accepted == 4 and last.committed == 2
+
+
+def test_ignore_eos_decodes_every_token_past_eos(target, tokenizer, prompts):
+    prompt = prompts[0]
+    plain = hf_greedy(target, prompt, 12, eos=None)
+    engine = make_engine(target, tokenizer, "draft", target, adaptive=False, gate=False)
+    engine.eos_token_ids = frozenset({plain[3]})
+    tokens, state = run(engine, prompt, SamplingConfig(max_new_tokens=12, ignore_eos=True))
+    assert tokens == plain and state.finish_reason == "length"
+
+
+def test_ignore_eos_cannot_go_with_a_grammar():
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingConfig(ignore_eos=True,
+                       grammar=GrammarSpec(kind="json_schema", json_schema={"type": "object"}))
 
 
 def test_prompt_longer_than_the_context_is_refused(target, tokenizer):

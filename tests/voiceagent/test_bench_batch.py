@@ -9,7 +9,13 @@ from llm_engine.config import EngineConfig, SamplingConfig, SpeculationConfig
 from llm_engine.engine import SpeculativeEngine
 from llm_engine.lean.runner import LeanRunner
 from tests.llm_engine.test_engine import random_prompts
-from voiceagent.bench.batch import aggregate_tok_s, decode_together, render, run_batch
+from voiceagent.bench.batch import (
+    aggregate_tok_s,
+    batch_sampling,
+    decode_together,
+    render,
+    run_batch,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +65,21 @@ def test_the_batch_table_runs_each_mode_and_count_and_says_the_outputs_are_ident
     table = render(rows, ["# header"])
     assert "| off | 2 |" in table and "**no**" not in table
     assert all(r["all_live_vs_one_session"] > 0 for r in rows)
+
+
+def test_every_session_decodes_all_its_tokens_unless_told_to_stop_at_eos(engine):
+    prompts = random_prompts(engine.runner.lean.vocab, 2, seed=8)
+    plain = decode_together(engine, prompts, batch_sampling(10), "off", shared=True)["outputs"]
+    eos, engine.eos_token_ids = engine.eos_token_ids, frozenset({plain[0][2]})
+    try:  # session 0's third token ends it
+        past = decode_together(engine, prompts, batch_sampling(10), "off", shared=True)
+        stopped = decode_together(engine, prompts, batch_sampling(10, stop_at_eos=True), "off",
+                                  shared=True)
+    finally:
+        engine.eos_token_ids = eos
+    # past the EOS: 9 rounds of both sessions; stopped there: 2 rounds had them both
+    assert past["outputs"] == plain and past["all_live_tokens"] == 2 * 9
+    assert stopped["all_live_tokens"] == 2 * 2
 
 
 def test_repeats_take_the_median_of_each_ways_runs(engine):

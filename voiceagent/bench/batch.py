@@ -4,7 +4,10 @@ For each mode and each number of sessions, the same requests (greedy, the prompt
 conversation prompts, one per session) run twice side by side, stepped as the serving worker
 steps them: one step per request in turn (`engine.step`, each its own forward) and one shared
 step per round (`engine.step_many`: every request's rows in one forward where the runner shares
-forwards). Each request is prefilled first; the figures are its decode phase:
+forwards). Each request is prefilled first; the figures are its decode phase. Every request
+decodes all its tokens past any EOS (`ignore_eos`, as vLLM's throughput benchmark does), so that
+N sessions decode together from the first round to the last; `--stop-at-eos` ends each at its
+EOS instead (a short reply then leaves the others fewer rounds all together).
 
 - aggregate tok/s (`aggregate_tok_s`): every session's tokens after its first, over the wall
   time from the decode phase's start to the last session's end (replies of different lengths:
@@ -44,6 +47,12 @@ from voiceagent.prompt_sets import load_prompt_set, messages
 def aggregate_tok_s(decoded_tokens: int, seconds: float) -> float:
     """Every session's decoded tokens (after its first) per second of the shared wall time."""
     return decoded_tokens / seconds if seconds > 0 else 0.0
+
+
+def batch_sampling(max_new_tokens: int, stop_at_eos: bool = False) -> SamplingConfig:
+    """Greedy; past any EOS unless `stop_at_eos` (the module doc)."""
+    return SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens,
+                          ignore_eos=not stop_at_eos)
 
 
 def one_product(engine: SpeculativeEngine) -> bool:
@@ -97,10 +106,10 @@ def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
 
 def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[int],
               modes: list[str], max_new_tokens: int, say=logs.write,
-              repeats: int = 1) -> list[dict]:
+              repeats: int = 1, stop_at_eos: bool = False) -> list[dict]:
     """A row per mode and number of sessions; with `repeats`, both ways are run that many times,
     alternating, and each rate is the median of its runs (a shared machine drifts)."""
-    sampling = SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens)
+    sampling = batch_sampling(max_new_tokens, stop_at_eos)
     pooled = one_product(engine)
     rows = []
     for mode in modes:
@@ -183,7 +192,7 @@ def run_batch_bench(cfg: Config, args) -> int:
              if name not in prompt_set.tools and name not in prompt_set.on_request for t in seg]
     prompts = [encode_chat(tokenizer, messages(prompt_set.system, t)) for t in texts]
     rows = run_batch(engine, prompts, sizes, modes, args.max_new_tokens or 64,
-                     repeats=args.repeats)
+                     repeats=args.repeats, stop_at_eos=args.stop_at_eos)
     machine = {**machine_info(engine.device), "load_avg_1m_at_start": load_at_start}
     attends = "over pooled caches in one product" if one_product(engine) else "alone"
     header = [
@@ -194,7 +203,9 @@ def run_batch_bench(cfg: Config, args) -> int:
         f"- target {cfg.engine.target}, format {engine.runner.format} ({engine.runner.name} "
         f"runner, shares forwards of up to {engine.runner.shared_rows} rows, "
         f"each session attending {attends}), greedy, "
-        f"{args.max_new_tokens or 64} new tokens a session; each rate the median of "
+        f"{args.max_new_tokens or 64} new tokens a session "
+        f"({'each ending at its EOS' if args.stop_at_eos else 'past any EOS'}); "
+        f"each rate the median of "
         f"{max(1, args.repeats)} run(s) of each way, alternating",
     ]
     markdown = render(rows, header)
