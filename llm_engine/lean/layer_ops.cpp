@@ -164,15 +164,24 @@ at::Tensor silu_mul(const at::Tensor& x) {
 template <typename T>
 AVX512 void rotate(const T* x, const T* cos, const T* sin, int64_t dim, float* out) {
   const int64_t half = dim / 2;
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   for (int64_t i = 0; i < dim; i += LANES) {
     __mmask16 k = tail(dim - i);
-    alignas(64) float turned[LANES];
-    for (int64_t j = 0; j < LANES && i + j < dim; ++j) {
-      int64_t at = i + j;
-      turned[j] = at < half ? -static_cast<float>(x[at + half]) : static_cast<float>(x[at - half]);
+    __m512 turned;  // rotate_half(x): -x[at + half] before half, x[at - half] from it
+    if (half % LANES == 0) {  // a chunk lies wholly on one side (the usual head sizes)
+      turned = i < half ? _mm512_castsi512_ps(_mm512_xor_si512(
+                              _mm512_castps_si512(load(x + i + half, k)), sign))
+                        : load(x + i - half, k);
+    } else {
+      alignas(64) float lanes[LANES];
+      for (int64_t j = 0; j < LANES && i + j < dim; ++j) {
+        int64_t at = i + j;
+        lanes[j] = at < half ? -static_cast<float>(x[at + half]) : static_cast<float>(x[at - half]);
+      }
+      turned = _mm512_maskz_load_ps(k, lanes);
     }
     __m512 a = round_to(_mm512_mul_ps(load(x + i, k), load(cos + i, k)), x);
-    __m512 b = round_to(_mm512_mul_ps(_mm512_maskz_load_ps(k, turned), load(sin + i, k)), x);
+    __m512 b = round_to(_mm512_mul_ps(turned, load(sin + i, k)), x);
     store(out + i, round_to(_mm512_add_ps(a, b), x), k);
   }
 }
@@ -323,12 +332,13 @@ AVX512 void attend_row(const float* q, const C* keys, const C* values, int64_t s
   weighted_sum<NC>(scores, values, stride, seen, dim, out);
 }
 
-// fp32 results to the activations' type (a lambda does not take a function's target attribute)
-template <typename T>
-AVX512 void copy_out(const float* from, T* to, int64_t n) {
+// n numbers from one type to another, bf16 rounded to nearest even (a lambda does not take a
+// function's target attribute)
+template <typename S, typename T>
+AVX512 void copy_out(const S* from, T* to, int64_t n) {
   for (int64_t i = 0; i < n; i += LANES) {
     __mmask16 k = tail(n - i);
-    store(to + i, _mm512_maskz_loadu_ps(k, from + i), k);
+    store(to + i, load(from + i, k), k);
   }
 }
 
@@ -375,8 +385,9 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   const int64_t groups = heads / kv_heads;
   const T* x = qkv.data_ptr<T>();
   const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
-  // every row's queries rotated (fp32), and its keys rotated and values written to its cache
-  std::vector<float> q(rows * heads * dim), turned(dim);
+  // every row's keys rotated and values written to its cache, before any row attends (a verify's
+  // rows attend over the rows before them)
+  std::vector<float> turned(dim);
   std::vector<int64_t> part_of(rows), position(rows);
   for (size_t p = 0; p < parts.size(); ++p) {
     const Part& part = parts[p];
@@ -385,16 +396,11 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
       part_of[row] = static_cast<int64_t>(p);
       position[row] = pos;
       const T *xr = x + row * width, *c = cp + row * dim, *s = sp + row * dim;
-      for (int64_t h = 0; h < heads; ++h) rotate(xr + h * dim, c, s, dim, &q[(row * heads + h) * dim]);
       for (int64_t h = 0; h < kv_heads; ++h) {
-        C* key = reinterpret_cast<C*>(part.k) + h * part.head_stride + pos * part.position_stride;
-        C* value = reinterpret_cast<C*>(part.v) + h * part.head_stride + pos * part.position_stride;
+        const int64_t at = h * part.head_stride + pos * part.position_stride;
         rotate(xr + (heads + h) * dim, c, s, dim, turned.data());
-        const T* v = xr + (heads + kv_heads + h) * dim;
-        for (int64_t i = 0; i < dim; ++i) {
-          key[i] = static_cast<C>(turned[i]);
-          value[i] = static_cast<C>(static_cast<float>(v[i]));
-        }
+        copy_out(turned.data(), reinterpret_cast<C*>(part.k) + at, dim);
+        copy_out(xr + (heads + kv_heads + h) * dim, reinterpret_cast<C*>(part.v) + at, dim);
       }
     }
   }
@@ -411,17 +417,18 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   const bool dot = std::is_same_v<T, at::BFloat16> && bf16_dot();
   const int64_t grain = std::max<int64_t>(1, tasks * 32768 / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, result(dim);
+    std::vector<float> scores, query(dim), result(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t kv = task / (rows * groups), row = task / groups % rows;
       const int64_t h = kv * groups + task % groups;
       const Part& part = parts[part_of[row]];
       const int64_t seen = position[row] + 1;
       scores.resize(seen);
+      rotate(x + row * width + h * dim, cp + row * dim, sp + row * dim, dim, query.data());
       const C* keys = reinterpret_cast<const C*>(part.k) + kv * part.head_stride;
       const C* values = reinterpret_cast<const C*>(part.v) + kv * part.head_stride;
-      attend_row_any(&q[(row * heads + h) * dim], keys, values, part.position_stride, seen, dim, s,
-                     dot, scores.data(), result.data());
+      attend_row_any(query.data(), keys, values, part.position_stride, seen, dim, s, dot,
+                     scores.data(), result.data());
       copy_out(result.data(), o + (row * heads + h) * dim, dim);
     }
   });
