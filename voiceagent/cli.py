@@ -260,6 +260,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from voiceagent.prompt_sets import DEFAULT_PROMPTS
 
     args.prompts = args.prompts or str(DEFAULT_PROMPTS)
+    if args.stop_at_eos and not args.batch:
+        raise SystemExit("--stop-at-eos goes with --batch (the other runs end at EOS)")
     if args.batch:
         from voiceagent.bench.batch import run_batch_bench
 

@@ -312,6 +312,13 @@ class Config(BaseModel):
     paths: PathsConfig = Field(default_factory=PathsConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
 
+    @model_validator(mode="after")
+    def _replies_end(self) -> Config:
+        if self.engine.sampling.ignore_eos:
+            raise ValueError("engine.sampling.ignore_eos is for throughput benchmarks: a reply "
+                             "must end at its EOS")
+        return self
+
 
 def store_path(cfg: Config) -> Path:
     return Path(cfg.store.path or Path(cfg.paths.runs_dir) / "turns.sqlite").expanduser()

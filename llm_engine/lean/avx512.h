@@ -38,7 +38,9 @@ AVX512 inline __m512 round_to(__m512 v, const at::BFloat16*) {
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
   rounded = _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), v);
+  // a NaN quietened: its top 16 bits then say NaN too (a payload below them alone reads Inf)
+  __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000));
+  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded), _mm512_castsi512_ps(quiet));
 }
 
 AVX512 inline void store(float* p, __m512 v, __mmask16 k = ALL) { _mm512_mask_storeu_ps(p, k, v); }

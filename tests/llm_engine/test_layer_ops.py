@@ -235,3 +235,12 @@ def test_attend_refuses_caches_that_do_not_match_or_share_a_tensor():
         attend(qkv, torch.arange(2), [(keys, values, 0, 2)], layer=LAYERS)
     with pytest.raises(RuntimeError, match="contiguous"):
         attend(torch.randn(qkv.shape[1], 2).t(), torch.arange(2), [(keys, values, 0, 2)])
+
+
+def test_a_nan_value_is_written_to_a_bf16_cache_as_a_nan():
+    """A NaN whose payload lies only in the low 16 bits would round to the top 16 as Inf."""
+    qkv = torch.randn(1, (HEADS + 2 * KV_HEADS) * DIM)
+    qkv[0, -1] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)
+    keys, values = cache(torch.bfloat16)
+    attend(qkv, torch.tensor([0]), [(keys, values, 0, 1)])
+    assert values[1, -1, 0, -1].isnan() and not values[1, -1, 0, :-1].isnan().any()

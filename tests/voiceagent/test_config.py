@@ -161,3 +161,8 @@ def test_off_means_the_method_named_off_not_false(tmp_path: Path):
     path.write_text("engine:\n  speculation:\n    method: off\n    gate: false\n")
     cfg = load_config(path)
     assert cfg.engine.speculation.method == "off" and cfg.engine.speculation.gate is False
+
+
+def test_a_config_cannot_decode_replies_past_their_eos():
+    with pytest.raises(ConfigError, match="ignore_eos is for throughput benchmarks"):
+        load_config(None, ["engine.sampling.ignore_eos=true"])

@@ -6,12 +6,15 @@ steps them: one step per request in turn (`engine.step`, each its own forward) a
 step per round (`engine.step_many`: every request's rows in one forward where the runner shares
 forwards). Each request is prefilled first; the figures are its decode phase. Every request
 decodes all its tokens past any EOS (`ignore_eos`, as vLLM's throughput benchmark does), so that
-N sessions decode together from the first round to the last; `--stop-at-eos` ends each at its
-EOS instead (a short reply then leaves the others fewer rounds all together).
+without speculation N sessions decode together from the first round to the last (a speculating
+session commits a varying count a round, so it may end a few rounds apart); `--stop-at-eos` ends
+each at its EOS instead (a short reply then leaves the others fewer rounds all together). Past
+its EOS a session tends to repeat itself, which n-grams draft well: a speculating mode's rates
+read higher than on replies that end.
 
 - aggregate tok/s (`aggregate_tok_s`): every session's tokens after its first, over the wall
-  time from the decode phase's start to the last session's end (replies of different lengths:
-  the last rounds carry fewer sessions);
+  time from the decode phase's start to the last session's end (sessions that end apart leave
+  the last rounds fewer sessions);
 - all live, tok/s: the same over only the rounds in which every session was still decoding,
   N sessions at once;
 - per-session tok/s: each request's own decode rate (`RequestStats.tokens_per_s`), the median;
