@@ -273,63 +273,100 @@ AVX512 void softmax(float* s, int64_t seen) {
   }
 }
 
-// out [dim] = probs [seen] times the values, key by key.
-template <int NC, typename C>
-AVX512 void weighted_sum(const float* p, const C* values, int64_t stride, int64_t seen,
-                         int64_t dim, float* out) {
-  if constexpr (NC > 0) {
-    __m512 acc[NC];
-    for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < seen; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      const C* vj = values + j * stride;
-      for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pj, load(vj + c * LANES, ALL), acc[c]);
+// out [H, dim] = each of H heads' probs (p + h * p_stride, [seen]) times the values, key by key.
+// The query heads of one key head share each value's load, and each head's sums are its own, in
+// the same order as alone: H heads give H times the independent chains (one head's few chains
+// waited on the FMA's latency, key after key).
+template <int NC, int H, typename C>
+AVX512 void weighted_sum(const float* p, int64_t p_stride, const C* values, int64_t stride,
+                         int64_t seen, float* out) {
+  __m512 acc[H][NC];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; ++j) {
+    const C* vj = values + j * stride;
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load(vj + c * LANES, ALL);
+    for (int h = 0; h < H; ++h) {
+      const __m512 pj = _mm512_set1_ps(p[h * p_stride + j]);
+      for (int c = 0; c < NC; ++c) acc[h][c] = _mm512_fmadd_ps(pj, v[c], acc[h][c]);
     }
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + c * LANES, acc[c]);
-  } else {
-    for (int64_t i = 0; i < dim; i += LANES) {
-      __mmask16 k = tail(dim - i);
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < seen; ++j)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load(values + j * stride + i, k), acc);
-      _mm512_mask_storeu_ps(out + i, k, acc);
-    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + (h * NC + c) * LANES, acc[h][c]);
+}
+
+// One head's weighted sum for any dim, in masked chunks of 16.
+template <typename C>
+AVX512 void weighted_sum_any_dim(const float* p, const C* values, int64_t stride, int64_t seen,
+                                 int64_t dim, float* out) {
+  for (int64_t i = 0; i < dim; i += LANES) {
+    __mmask16 k = tail(dim - i);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen; ++j)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load(values + j * stride + i, k), acc);
+    _mm512_mask_storeu_ps(out + i, k, acc);
   }
 }
 
 // weighted_sum's sums, the same additions in the same order, from bf16 values in NC chunks of 32
 // dims: a 64-byte load's even dims are its 32-bit lanes shifted up 16 bits and its odd dims the
 // lanes' high halves, so 32 values widen in two instructions (16 took two: vpmovzxwd, a shift).
-template <int NC>
-AVX512 void weighted_sum_bf16(const float* p, const at::BFloat16* values, int64_t stride,
-                              int64_t seen, float* out) {
+template <int NC, int H>
+AVX512 void weighted_sum_bf16(const float* p, int64_t p_stride, const at::BFloat16* values,
+                              int64_t stride, int64_t seen, float* out) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  __m512 even[NC], odd[NC];
-  for (int c = 0; c < NC; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  __m512 even[H][NC], odd[H][NC];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < NC; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < seen; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
     const at::BFloat16* vj = values + j * stride;
+    __m512 ve[NC], vo[NC];
     for (int c = 0; c < NC; ++c) {
       __m512i v = _mm512_loadu_si512(vj + 32 * c);
-      even[c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), even[c]);
-      odd[c] = _mm512_fmadd_ps(pj, _mm512_castsi512_ps(_mm512_and_si512(v, high)), odd[c]);
+      ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      vo[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m512 pj = _mm512_set1_ps(p[h * p_stride + j]);
+      for (int c = 0; c < NC; ++c) {
+        even[h][c] = _mm512_fmadd_ps(pj, ve[c], even[h][c]);
+        odd[h][c] = _mm512_fmadd_ps(pj, vo[c], odd[h][c]);
+      }
     }
   }
-  for (int c = 0; c < NC; ++c) {  // back in order: lanes 2i and 2i + 1 of 32
-    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(even[c], lo, odd[c]));
-    _mm512_storeu_ps(out + 32 * c + LANES, _mm512_permutex2var_ps(even[c], hi, odd[c]));
-  }
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < NC; ++c) {  // back in order: lanes 2i and 2i + 1 of 32
+      float* o = out + (h * NC + c) * 32;
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(even[h][c], lo, odd[h][c]));
+      _mm512_storeu_ps(o + LANES, _mm512_permutex2var_ps(even[h][c], hi, odd[h][c]));
+    }
 }
 
-// Attention of one query head of one row over keys 0 .. seen - 1.
-template <int NC, typename C>
-AVX512 void attend_row(const float* q, const C* keys, const C* values, int64_t stride,
-                       int64_t seen, int64_t dim, float scale, float* scores, float* out) {
-  scores_of<NC>(q, keys, stride, seen, dim, scale, scores);
-  softmax(scores, seen);
-  weighted_sum<NC>(scores, values, stride, seen, dim, out);
+// `heads` heads' weighted sums (`weighted_sum` of NC chunks of 16, or with BF16 of 32), a few
+// heads a pass: A sums a head, and a pass's sums and one key's values stay in registers.
+template <int NC, bool BF16, typename C>
+void weighted_sums(const float* p, int64_t p_stride, const C* values, int64_t stride,
+                   int64_t seen, int64_t heads, float* out) {
+  constexpr int A = BF16 ? 2 * NC : NC, PASS = A >= 8 ? 2 : 4;
+  constexpr int64_t dim = (BF16 ? 32 : 16) * NC;
+  auto pass = [&](auto h_count, int64_t h) {
+    constexpr int H = decltype(h_count)::value;
+    if constexpr (BF16)
+      weighted_sum_bf16<NC, H>(p + h * p_stride, p_stride, values, stride, seen, out + h * dim);
+    else
+      weighted_sum<NC, H>(p + h * p_stride, p_stride, values, stride, seen, out + h * dim);
+  };
+  for (int64_t h = 0; h < heads; h += PASS) {
+    switch (std::min<int64_t>(PASS, heads - h)) {
+      case 1: pass(std::integral_constant<int, 1>{}, h); break;
+      case 2: pass(std::integral_constant<int, 2>{}, h); break;
+      case 3: if constexpr (PASS > 2) pass(std::integral_constant<int, 3>{}, h); break;
+      default: pass(std::integral_constant<int, PASS>{}, h);
+    }
+  }
 }
 
 // n numbers from one type to another, bf16 rounded to nearest even (a lambda does not take a
@@ -342,39 +379,51 @@ AVX512 void copy_out(const S* from, T* to, int64_t n) {
   }
 }
 
-// A bf16 cache's heads of 32, 64 or 128 dims: the values widened 32 at a time, and with `use_dot`
-// (bf16 activations, so the queries are bf16-exact, on AVX512-BF16) the scores by vdpbf16ps.
-template <int NC>
-void attend_row_bf16(const float* q, const at::BFloat16* keys, const at::BFloat16* values,
-                     int64_t stride, int64_t seen, float scale, bool use_dot, float* scores,
-                     float* out) {
-  if (use_dot) {
-    alignas(64) at::BFloat16 q16[32 * NC];
-    copy_out(q, q16, 32 * NC);
-    scores_bf16<NC>(q16, keys, stride, seen, scale, scores);
-  } else {
-    scores_of<2 * NC>(q, keys, stride, seen, 32 * NC, scale, scores);
-  }
-  softmax(scores, seen);
-  weighted_sum_bf16<NC>(scores, values, stride, seen, out);
-}
-
+// One query head's scores over keys 0 .. seen - 1, scaled: a bf16 cache's heads of 32, 64 or 128
+// dims by vdpbf16ps with `use_dot` (bf16 activations, so the queries are bf16-exact, on
+// AVX512-BF16), else in fp32 with the usual head sizes' chunks in registers.
 template <typename C>
-void attend_row_any(const float* q, const C* keys, const C* values, int64_t stride, int64_t seen,
-                    int64_t dim, float scale, bool use_dot, float* scores, float* out) {
+void scores_any(const float* q, const C* keys, int64_t stride, int64_t seen, int64_t dim,
+                float scale, bool use_dot, float* scores) {
   if constexpr (std::is_same_v<C, at::BFloat16>) {
-    switch (dim) {
-      case 32: return attend_row_bf16<1>(q, keys, values, stride, seen, scale, use_dot, scores, out);
-      case 64: return attend_row_bf16<2>(q, keys, values, stride, seen, scale, use_dot, scores, out);
-      case 128: return attend_row_bf16<4>(q, keys, values, stride, seen, scale, use_dot, scores, out);
+    if (use_dot && (dim == 32 || dim == 64 || dim == 128)) {
+      alignas(64) at::BFloat16 q16[128];
+      copy_out(q, q16, dim);
+      switch (dim) {
+        case 32: return scores_bf16<1>(q16, keys, stride, seen, scale, scores);
+        case 64: return scores_bf16<2>(q16, keys, stride, seen, scale, scores);
+        default: return scores_bf16<4>(q16, keys, stride, seen, scale, scores);
+      }
     }
   }
-  switch (dim) {  // the usual head sizes with their chunks in registers
-    case 32: attend_row<2>(q, keys, values, stride, seen, dim, scale, scores, out); break;
-    case 64: attend_row<4>(q, keys, values, stride, seen, dim, scale, scores, out); break;
-    case 128: attend_row<8>(q, keys, values, stride, seen, dim, scale, scores, out); break;
-    default: attend_row<0>(q, keys, values, stride, seen, dim, scale, scores, out);
+  switch (dim) {
+    case 32: return scores_of<2>(q, keys, stride, seen, dim, scale, scores);
+    case 64: return scores_of<4>(q, keys, stride, seen, dim, scale, scores);
+    case 128: return scores_of<8>(q, keys, stride, seen, dim, scale, scores);
+    default: return scores_of<0>(q, keys, stride, seen, dim, scale, scores);
   }
+}
+
+// Attention of a key head's query heads (q [heads, dim], rotated, fp32) of one row over keys
+// 0 .. seen - 1: each head's scores and softmax (scores [heads, seen]), then their weighted sums
+// in passes that share the values' loads (out [heads, dim]). A bf16 cache's values widen 32 at a
+// time for heads of 32, 64 or 128 dims.
+template <typename C>
+void attend_heads(const float* q, int64_t heads, const C* keys, const C* values, int64_t stride,
+                  int64_t seen, int64_t dim, float scale, bool use_dot, float* scores,
+                  float* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    scores_any(q + h * dim, keys, stride, seen, dim, scale, use_dot, scores + h * seen);
+    softmax(scores + h * seen, seen);
+  }
+  constexpr bool bf16 = std::is_same_v<C, at::BFloat16>;
+  switch (dim) {
+    case 32: return weighted_sums<bf16 ? 1 : 2, bf16>(scores, seen, values, stride, seen, heads, out);
+    case 64: return weighted_sums<bf16 ? 2 : 4, bf16>(scores, seen, values, stride, seen, heads, out);
+    case 128: return weighted_sums<bf16 ? 4 : 8, bf16>(scores, seen, values, stride, seen, heads, out);
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    weighted_sum_any_dim(scores + h * seen, values, stride, seen, dim, out + h * dim);
 }
 
 template <typename T, typename C>
@@ -408,28 +457,29 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   const float s = static_cast<float>(scale);
   int64_t work = 0;  // multiply-adds: a query head's scores and sum over its row's keys
   for (int64_t row = 0; row < rows; ++row) work += 2 * (position[row] + 1) * heads * dim;
-  // A task a query head of a row: key head by key head (the threads' shares mix rows of every
-  // length), then row by row, the row's query heads of that key head in turn (its keys and
-  // values read again while still in cache).
+  // A task a key head of a row, all its query heads: key head by key head (the threads' shares
+  // mix rows of every length), then row by row (the key head's keys and values read again while
+  // still in cache).
   // About 32k multiply-adds a task: below that the threads' start costs more than they share.
-  const int64_t tasks = rows * heads;
+  const int64_t tasks = rows * kv_heads;
   // queries are bf16-exact with bf16 activations (the rotary rounds them so)
   const bool dot = std::is_same_v<T, at::BFloat16> && bf16_dot();
   const int64_t grain = std::max<int64_t>(1, tasks * 32768 / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, query(dim), result(dim);
+    std::vector<float> scores, query(groups * dim), result(groups * dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / (rows * groups), row = task / groups % rows;
-      const int64_t h = kv * groups + task % groups;
+      const int64_t kv = task / rows, row = task % rows;
       const Part& part = parts[part_of[row]];
       const int64_t seen = position[row] + 1;
-      scores.resize(seen);
-      rotate(x + row * width + h * dim, cp + row * dim, sp + row * dim, dim, query.data());
+      scores.resize(groups * seen);
+      for (int64_t g = 0; g < groups; ++g)
+        rotate(x + row * width + (kv * groups + g) * dim, cp + row * dim, sp + row * dim, dim,
+               query.data() + g * dim);
       const C* keys = reinterpret_cast<const C*>(part.k) + kv * part.head_stride;
       const C* values = reinterpret_cast<const C*>(part.v) + kv * part.head_stride;
-      attend_row_any(query.data(), keys, values, part.position_stride, seen, dim, s, dot,
-                     scores.data(), result.data());
-      copy_out(result.data(), o + (row * heads + h) * dim, dim);
+      attend_heads(query.data(), groups, keys, values, part.position_stride, seen, dim, s, dot,
+                   scores.data(), result.data());
+      copy_out(result.data(), o + (row * heads + kv * groups) * dim, groups * dim);
     }
   });
 }

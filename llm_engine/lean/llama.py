@@ -285,6 +285,7 @@ class LeanLlama(nn.Module):
         rotary = decoder.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self._rope_cos, self._rope_sin = self._rope_table(KEY_BLOCK)
         codes = read_q4_1(gguf_file, self.heads, self.kv_heads) \
             if fmt == "q4" and gguf_file else {}
         params = dict(model.named_parameters())
@@ -371,7 +372,17 @@ class LeanLlama(nn.Module):
                            dtype=self.attention_dtype, device=self.device)
         return LeanCache(both[0], both[1])
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, head_dim] of `positions` (all below `end`), read from a table of every
+        position so far: its cos and sin were 1-2% of a decode step, computed afresh each one."""
+        if end > self._rope_cos.shape[0]:
+            self._rope_cos, self._rope_sin = self._rope_table(
+                whole_key_blocks(max(end, 2 * self._rope_cos.shape[0])))
+        return self._rope_cos[positions], self._rope_sin[positions]
+
+    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0 .. length - 1, each element as HF's rotary computes it."""
+        positions = torch.arange(length, device=self.inv_freq.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * self.rope_scale).to(self.dtype),
@@ -416,7 +427,7 @@ class LeanLlama(nn.Module):
                 plan.bias = self._mask(plan.visible, plan.n + plan.pad)
         positions = plans[0].positions if len(plans) == 1 else \
             torch.cat([plan.positions for plan in plans])
-        cos, sin = self.rope(positions)
+        cos, sin = self.rope(positions, max(start + n for _, start, n in parts))
         rows = x.shape[0]
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
@@ -454,7 +465,7 @@ class LeanLlama(nn.Module):
         for cache, start, n in parts:
             if cache.pool is not None:
                 cache.pool.wrote(cache.slot, start + n)
-        cos, sin = self.rope(positions.to(x.device))
+        cos, sin = self.rope(positions.to(x.device), max(start + n for _, start, n in parts))
         keys, values = [c.k for c, _, _ in parts], [c.v for c, _, _ in parts]
         starts, counts = [start for _, start, _ in parts], [n for _, _, n in parts]
         scale = self.head_dim ** -0.5

@@ -64,6 +64,19 @@ def test_the_float32_lean_forward_decodes_hfs_logits_after_a_prefill(target, int
     assert torch.allclose(torch.cat(got), want, atol=1e-4)
 
 
+def test_the_rotary_table_gives_each_position_hfs_cos_and_sin_as_it_grows(target):
+    lean = LeanLlama(target, "float32")
+    positions = torch.tensor([0, 5, 63, 64, 200, 1000])
+    got = [lean.rope(positions[:k], int(positions[k - 1]) + 1) for k in range(1, 7)]  # grows
+    assert lean._rope_cos.shape[0] >= 1001
+    x = torch.zeros(1, len(positions), target.config.hidden_size)
+    want_cos, want_sin = target.model.rotary_emb(x, positions[None])
+    torch.testing.assert_close(got[-1][0], want_cos[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[-1][1], want_sin[0], rtol=1e-6, atol=1e-6)
+    for k, (cos, sin) in enumerate(got, start=1):  # a position's numbers whatever the table's size
+        assert torch.equal(cos, got[-1][0][:k]) and torch.equal(sin, got[-1][1][:k])
+
+
 def test_float16_on_a_cpu_runs_on_torchs_ops(target):
     """Our own layer ops take fp32 and bf16 only."""
     runner = lean(target, "float16")

@@ -90,3 +90,11 @@ def test_repeats_take_the_median_of_each_ways_runs(engine):
     [row] = run_batch(engine, prompts, [2], ["off"], 8, say=lambda _: None, repeats=3)
     assert row["repeats"] == 3 and row["identical"]
     assert row["shared_tok_s"] > 0 and row["one_by_one_tok_s"] > 0
+
+
+def test_each_repeat_runs_every_session_count_in_turn(engine):
+    """A ratio's two sides are measured next to each other, not a sweep apart."""
+    prompts = random_prompts(engine.runner.lean.vocab, 2, seed=9)
+    said: list[str] = []
+    run_batch(engine, prompts, [1, 2], ["off"], 4, say=said.append, repeats=2)
+    assert said == [f"batch: off, {n} session(s), run {r} of 2" for r in (1, 2) for n in (1, 2)]

@@ -24,7 +24,9 @@ read higher than on replies that end.
 - attending alone: the shared forward with each session attending over its cache in a product of
   its own (the lean runner before its cache pool), where the runner attends in one product.
 
-With `--repeats N` each cell is the median of N runs of each way, taken in turn.
+With `--repeats N` each cell is the median of N runs of each way, taken in turn, and the session
+counts in turn within each repeat (1, 2, 4, 1, 2, 4, ...), so that drift on a shared machine
+falls on both sides of a ratio.
 """
 
 from __future__ import annotations
@@ -110,44 +112,53 @@ def decode_together(engine: SpeculativeEngine, prompts: list[list[int]],
 def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[int],
               modes: list[str], max_new_tokens: int, say=logs.write,
               repeats: int = 1, stop_at_eos: bool = False) -> list[dict]:
-    """A row per mode and number of sessions; with `repeats`, both ways are run that many times,
-    alternating, and each rate is the median of its runs (a shared machine drifts)."""
+    """A row per mode and number of sessions; with `repeats`, every session count's ways are run
+    that many times, the counts in turn within each repeat (so that a ratio's two sides are
+    measured minutes apart at most, not a whole sweep: a shared machine drifts), and each rate
+    is the median of its runs."""
     sampling = batch_sampling(max_new_tokens, stop_at_eos)
     pooled = one_product(engine)
     rows = []
     for mode in modes:
-        for sessions in sizes:
-            chosen = [prompts[j % len(prompts)] for j in range(sessions)]
-            say(f"batch: {mode}, {sessions} session(s)")
-            decode_together(engine, chosen[:1], sampling, mode, shared=True)  # warm this mode
-            runs = [(decode_together(engine, chosen, sampling, mode, shared=False),
-                     decode_together(engine, chosen, sampling, mode, shared=True),
-                     decode_together(engine, chosen, sampling, mode, shared=True,
-                                     attend_alone=True) if pooled and sessions > 1 else None)
-                    for _ in range(max(1, repeats))]
-            per_session = [t for _, together, _ in runs for t in together["session_tok_s"]
-                           if t is not None]
-            alone = [c for _, _, c in runs if c is not None]
-            rows.append({
-                "mode": mode,
-                "sessions": sessions,
-                "repeats": len(runs),
-                "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _, _ in runs),
-                "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b, _ in runs),
-                "all_live_tok_s": _median(b["all_live_tok_s"] for _, b, _ in runs),
-                "attend_alone_tok_s": statistics.median(c["aggregate_tok_s"] for c in alone)
-                if alone else None,
-                "session_tok_s_p50": statistics.median(per_session) if per_session else None,
-                "identical": all(b["outputs"] == a["outputs"] and (c is None or
-                                                                   c["outputs"] == a["outputs"])
-                                 for a, b, c in runs),
-            })
+        decode_together(engine, prompts[:1], sampling, mode, shared=True)  # warm this mode
+        runs: dict[int, list] = {n: [] for n in sizes}
+        for repeat in range(max(1, repeats)):
+            for sessions in sizes:
+                chosen = [prompts[j % len(prompts)] for j in range(sessions)]
+                say(f"batch: {mode}, {sessions} session(s), run {repeat + 1} of {max(1, repeats)}")
+                runs[sessions].append((
+                    decode_together(engine, chosen, sampling, mode, shared=False),
+                    decode_together(engine, chosen, sampling, mode, shared=True),
+                    decode_together(engine, chosen, sampling, mode, shared=True,
+                                    attend_alone=True) if pooled and sessions > 1 else None))
+        rows += [_row(mode, sessions, runs[sessions]) for sessions in sizes]
     for row in rows:  # against one session of the same mode, measured in this run
         one = next((r for r in rows if r["mode"] == row["mode"] and r["sessions"] == 1), None)
         row["shared_vs_one_session"] = _ratio(row["shared_tok_s"], one and one["shared_tok_s"])
         row["all_live_vs_one_session"] = _ratio(row["all_live_tok_s"],
                                                 one and one["all_live_tok_s"])
     return rows
+
+
+def _row(mode: str, sessions: int, runs: list[tuple]) -> dict:
+    """One mode's and session count's medians over its runs (one by one, shared, alone)."""
+    per_session = [t for _, together, _ in runs for t in together["session_tok_s"]
+                   if t is not None]
+    alone = [c for _, _, c in runs if c is not None]
+    return {
+        "mode": mode,
+        "sessions": sessions,
+        "repeats": len(runs),
+        "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _, _ in runs),
+        "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b, _ in runs),
+        "all_live_tok_s": _median(b["all_live_tok_s"] for _, b, _ in runs),
+        "attend_alone_tok_s": statistics.median(c["aggregate_tok_s"] for c in alone)
+        if alone else None,
+        "session_tok_s_p50": statistics.median(per_session) if per_session else None,
+        "identical": all(b["outputs"] == a["outputs"] and (c is None or
+                                                           c["outputs"] == a["outputs"])
+                         for a, b, c in runs),
+    }
 
 
 def _median(values) -> float | None:
@@ -209,7 +220,7 @@ def run_batch_bench(cfg: Config, args) -> int:
         f"{args.max_new_tokens or 64} new tokens a session "
         f"({'each ending at its EOS' if args.stop_at_eos else 'past any EOS'}); "
         f"each rate the median of "
-        f"{max(1, args.repeats)} run(s) of each way, alternating",
+        f"{max(1, args.repeats)} run(s) of each way, alternating, the session counts in turn",
     ]
     markdown = render(rows, header)
     out = Path(args.out)
