@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #include "avx512.h"
 
@@ -146,17 +147,16 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
   int8_t *qp = q.data_ptr<int8_t>(), *rp = qp + rows * in_features;
   float *dx = scales.data_ptr<float>(), *sx = dx + rows * groups;
   const TIn* xp = x.data_ptr<TIn>();
-  for (int64_t r = 0; r < rows; ++r)
+  auto quantise = [&](int64_t r) {
     quantise_row(xp + r * in_features, groups, qp + r * in_features, rp + r * in_features,
                  dx + r * groups, sx + r * groups);
+  };
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half *dp = d.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
   TOut* op = out.data_ptr<TOut>();
   const int64_t block_bytes = groups * LANES * GROUP * bits / 8;
   const uintptr_t codes_end = reinterpret_cast<uintptr_t>(cp + blocks * block_bytes);
-  // About 64k products a task: fewer, and the threads' start costs more than they share.
-  const int64_t grain = std::max<int64_t>(1, 65536 / (LANES * in_features * rows));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  auto products = [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       int64_t left = out_features - b * LANES;
       __mmask16 mask = left >= LANES ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
@@ -170,7 +170,26 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
         block<8>(c, codes_end, db, mb, groups, qp, rp, dx, sx, rows, in_features, bb, op + b * LANES,
                  out_features, mask);
     }
-  });
+  };
+  // About 64k products a task: fewer, and the threads' start costs more than they share.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (LANES * in_features * rows));
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain);
+  if (threads < 2 || at::in_parallel_region()) {
+    for (int64_t r = 0; r < rows; ++r) quantise(r);
+    products(0, blocks);
+    return;
+  }
+  // One team for both steps: the rows quantised between the threads (a serial step that had
+  // the other threads wait, about 20 ns a group of a row), then the blocks split as
+  // at::parallel_for splits them. Each row and block runs the same code on any thread.
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    for (int64_t r = t; r < rows; r += team) quantise(r);
+#pragma omp barrier
+    const int64_t chunk = (blocks + team - 1) / team, begin = t * chunk;
+    if (begin < blocks) products(begin, std::min(blocks, begin + chunk));
+  }
 }
 
 bool supported() {

@@ -89,10 +89,11 @@ AVX512 void rms_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, fl
   }
 }
 
-// Rows split between threads for a prefill's long chunks: each row's numbers are its own.
+// Rows split between threads where they are many or costly (`work` a row, in an RMSNorm's
+// element's cost): each row's numbers are its own.
 template <typename F>
-void by_rows(int64_t rows, int64_t width, const F& f) {
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(width, 1));
+void by_rows(int64_t rows, int64_t work, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(work, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) { f(begin, end - begin); });
 }
 
@@ -126,6 +127,10 @@ at::Tensor rms(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // -- SiLU(gate) * up over [rows, 2 n] = [gate | up], each step rounded as torch's ----------------
 
+// An element's exp and division cost some 32 of RMSNorm's: a decode's few rows split between the
+// threads (a row of 1536 took about 1 us on one).
+constexpr int64_t SILU_COST = 32;
+
 template <typename T>
 AVX512 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -148,11 +153,11 @@ at::Tensor silu_mul(const at::Tensor& x) {
   if (x.scalar_type() == at::kBFloat16) {
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     at::BFloat16* op = out.data_ptr<at::BFloat16>();
-    by_rows(x.size(0), 2 * n, [&](int64_t r, int64_t count) { silu_mul_rows(xp + r * 2 * n, op + r * n, count, n); });
+    by_rows(x.size(0), SILU_COST * n, [&](int64_t r, int64_t count) { silu_mul_rows(xp + r * 2 * n, op + r * n, count, n); });
   } else {
     const float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    by_rows(x.size(0), 2 * n, [&](int64_t r, int64_t count) { silu_mul_rows(xp + r * 2 * n, op + r * n, count, n); });
+    by_rows(x.size(0), SILU_COST * n, [&](int64_t r, int64_t count) { silu_mul_rows(xp + r * 2 * n, op + r * n, count, n); });
   }
   return out;
 }
