@@ -60,13 +60,19 @@ VNNI void quantise_row(const T* x, int64_t groups, int8_t* q, int8_t* r, float* 
     __m512i qa = _mm512_cvtps_epi32(sa), qb = _mm512_cvtps_epi32(sb);
     __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sa, _mm512_cvtepi32_ps(qa)), fine));
     __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(sb, _mm512_cvtepi32_ps(qb)), fine));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * GROUP), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * GROUP + LANES), _mm512_cvtsepi32_epi8(qb));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r + g * GROUP), _mm512_cvtsepi32_epi8(ra));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r + g * GROUP + LANES), _mm512_cvtsepi32_epi8(rb));
+    // to int8 by two saturating packs (saturating as one would), which leave each 128-bit lane
+    // L as four codes each of qa, qb, ra and rb from 4 L; a dword permute puts them in order:
+    // the group's q, then its r (half the shuffles of four narrowing stores)
+    __m512i packed = _mm512_packs_epi16(_mm512_packs_epi32(qa, qb), _mm512_packs_epi32(ra, rb));
+    packed = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), packed);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * GROUP), _mm512_castsi512_si256(packed));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r + g * GROUP),
+                        _mm512_extracti64x4_epi64(packed, 1));
     dx[g] = d / 128.0f;
-    int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)) * 128 +
-                    _mm512_reduce_add_epi32(_mm512_add_epi32(ra, rb));
+    // 128 sum(q) + sum(r) in one reduction (integers: the same sum)
+    int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(
+        _mm512_slli_epi32(_mm512_add_epi32(qa, qb), 7), _mm512_add_epi32(ra, rb)));
     sx[g] = dx[g] * static_cast<float>(total);
   }
 }
