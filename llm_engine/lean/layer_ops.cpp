@@ -462,29 +462,36 @@ void attend_parts(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
   const float s = static_cast<float>(scale);
   int64_t work = 0;  // multiply-adds: a query head's scores and sum over its row's keys
   for (int64_t row = 0; row < rows; ++row) work += 2 * (position[row] + 1) * heads * dim;
-  // A task a key head of a row, all its query heads: key head by key head (the threads' shares
-  // mix rows of every length), then row by row (the key head's keys and values read again while
-  // still in cache).
+  // A task a key head of a row, its query heads together: key head by key head (the threads'
+  // shares mix rows of every length), then row by row (the key head's keys and values read again
+  // while still in cache). Where that leaves a thread without a task (a row's decode, few key
+  // heads, many threads) a key head's query heads are split between tasks.
+  const int64_t split = std::min<int64_t>(
+      groups, std::max<int64_t>(1, (at::get_num_threads() + rows * kv_heads - 1) / (rows * kv_heads)));
+  const int64_t per = (groups + split - 1) / split;  // query heads a task
   // About 32k multiply-adds a task: below that the threads' start costs more than they share.
-  const int64_t tasks = rows * kv_heads;
+  const int64_t tasks = rows * kv_heads * split;
   // queries are bf16-exact with bf16 activations (the rotary rounds them so)
   const bool dot = std::is_same_v<T, at::BFloat16> && bf16_dot();
   const int64_t grain = std::max<int64_t>(1, tasks * 32768 / std::max<int64_t>(work, 1));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, query(groups * dim), result(groups * dim);
+    std::vector<float> scores, query(per * dim), result(per * dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t kv = task / rows, row = task % rows;
+      const int64_t kv = task / (rows * split), row = task / split % rows;
+      const int64_t first = kv * groups + task % split * per;  // the task's first query head
+      const int64_t count = std::min(per, (kv + 1) * groups - first);
+      if (count <= 0) continue;
       const Part& part = parts[part_of[row]];
       const int64_t seen = position[row] + 1;
-      scores.resize(groups * seen);
-      for (int64_t g = 0; g < groups; ++g)
-        rotate(x + row * width + (kv * groups + g) * dim, cp + row * dim, sp + row * dim, dim,
+      scores.resize(count * seen);
+      for (int64_t g = 0; g < count; ++g)
+        rotate(x + row * width + (first + g) * dim, cp + row * dim, sp + row * dim, dim,
                query.data() + g * dim);
       const C* keys = reinterpret_cast<const C*>(part.k) + kv * part.head_stride;
       const C* values = reinterpret_cast<const C*>(part.v) + kv * part.head_stride;
-      attend_heads(query.data(), groups, keys, values, part.position_stride, seen, dim, s, dot,
+      attend_heads(query.data(), count, keys, values, part.position_stride, seen, dim, s, dot,
                    scores.data(), result.data());
-      copy_out(result.data(), o + (row * heads + kv * groups) * dim, groups * dim);
+      copy_out(result.data(), o + (row * heads + first) * dim, count * dim);
     }
   });
 }

@@ -180,20 +180,21 @@ def test_bf16_values_give_the_sums_of_the_same_values_in_fp32(dim):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 16])
 def test_the_attention_does_not_depend_on_the_thread_count(cache_dtype, rows):
-    # long enough that a row's heads are split between threads
+    # long enough that a row's key heads are split between threads, and at 4 threads a key
+    # head's query heads between tasks (one row, two key heads)
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM).bfloat16()
     history = torch.randn(LAYERS, KV_HEADS, 1000, DIM).to(cache_dtype)
     threads = torch.get_num_threads()
     outs = []
     try:
-        for n in (1, 2):
+        for n in (1, 2, 4):
             torch.set_num_threads(n)
             keys, values = cache(cache_dtype, 1024)
             keys[:, :, :1000], values[:, :, :1000] = history, history.flip(0)
             outs.append(attend(qkv, torch.arange(1000, 1000 + rows), [(keys, values, 1000, rows)]))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_attend_reads_and_writes_a_pool_slots_strided_cache():
