@@ -337,6 +337,29 @@ async def test_a_cancelled_reply_whose_stats_come_after_the_next_preparation_kee
     assert stop.engine.finish_reason == "eos" and stop.engine.generated_tokens == 4
 
 
+async def test_a_superseded_preparations_late_stats_do_not_replace_the_answers():
+    """A reply prepared at a pause, then the turn answered by a fresh request (its words had
+    changed): the cancelled preparation's stats came after the answer's (a remote server's
+    cancel on a loaded machine) and were written as the turn's, with none of its tokens."""
+    obs, records = await observing(lambda obs: push(obs, VADUserStartedSpeakingFrame(), 0))
+    await prepared_request(obs, "p1", "and what about", 900, "The")
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.3), 1300)
+    await push(obs, TranscriptionFrame("And what about Spain?", "user", "now"), 1301)
+    question = {"role": "user", "content": "And what about Spain?"}
+    await push(obs, LLMContextFrame(LLMContext(messages=[question])), 1310, dst=LLM)
+    await push(obs, MetricsFrame(data=[RequestStartedMetricsData(
+        processor="llm", request_id="r2", prepared=False)]), 1311, src=LLM)
+    await push(obs, LLMTextFrame("Madrid."), 1400, src=LLM)
+    await push(obs, TTSStartedFrame(), 1450, src=TTS)
+    await push(obs, BotStartedSpeakingFrame(), 1500, src=OUT)
+    await push(obs, _stats("r2", cancelled=False), 1600)
+    await push(obs, _stats("p1", cancelled=True), 1700)  # late
+    await push(obs, BotStoppedSpeakingFrame(), 2500, src=OUT)
+    [turn] = records
+    assert turn.engine.request_id == "r2" and turn.engine.generated_tokens == 4
+    assert turn.preparation.discarded_tokens == 9
+
+
 async def talked_over_without_stats(obs, at_ms: int) -> None:
     await push(obs, VADUserStartedSpeakingFrame(), at_ms)
     await push(obs, InterruptionFrame(), at_ms + 10)

@@ -120,6 +120,7 @@ class _Turn:
     reply_ns: int | None = None  # the request answering tool results, if its text came first
     requests: int = 0
     reported: int = 0  # requests whose engine stats are in
+    answer_id: str | None = None  # the latest request started for it: the turn's stats are its
     tool_calls: dict[str, _ToolRun] = field(default_factory=dict)  # by tool_call_id
     filler_audio_ns: int | None = None
     first_token_ns: int | None = None
@@ -176,7 +177,7 @@ class _Turn:
         self.request_ns = self.first_token_ns = self.prepared_ns = None
         self.latest_request_ns = self.reply_ns = None
         self.tts_started_ns = self.tts_first_chunk_ns = None
-        self.llm_text, self.engine, self.audio_s = [], None, 0.0
+        self.llm_text, self.engine, self.audio_s, self.answer_id = [], None, 0.0, None
         self.unplayed, self.clause_audio_s, self.tts_contexts = [], 0.0, set()
         self.requests = self.reported = 0
         self.tool_calls = {}
@@ -509,20 +510,29 @@ class ClocksObserver(BaseObserver):
             if isinstance(item, RequestStartedMetricsData):
                 if (turn := self._replying(item.prepared)) is not None:
                     self._started[item.request_id] = turn
+                    if not item.prepared or turn is self._preparing:  # its own, not a stray
+                        turn.answer_id = item.request_id
             elif isinstance(item, EngineStatsMetricsData) and item.discarded:
                 self._started.pop(item.request_id, None)
                 if (turn := self._listening or self._answering) is not None:
                     turn.preparation.discarded_tokens += item.stats.generated_tokens
             elif isinstance(item, EngineStatsMetricsData):
                 turn = self._owner(item)
-                if turn is not None:
-                    stats = TurnStats.of(item.stats, request_id=item.request_id,
-                                         interrupted=item.interrupted, error=item.error)
-                    # A tool turn's requests are one turn's work.
-                    merge = turn.engine is not None and turn.tool_calls
-                    turn.engine = turn.engine.merge(stats) if merge else stats
-                    turn.reported += 1
-                    self._emit_if_complete()
+                if turn is None:
+                    continue
+                if not turn.tool_calls and turn.answer_id not in (None, item.request_id):
+                    # A request the turn went on from (its preparation superseded, a re-run),
+                    # cancelled: its work is waste, and its stats, however late they come
+                    # (a remote server's cancel on a loaded machine), are not the answer's.
+                    turn.preparation.discarded_tokens += item.stats.generated_tokens
+                    continue
+                stats = TurnStats.of(item.stats, request_id=item.request_id,
+                                     interrupted=item.interrupted, error=item.error)
+                # A tool turn's requests are one turn's work.
+                merge = turn.engine is not None and turn.tool_calls
+                turn.engine = turn.engine.merge(stats) if merge else stats
+                turn.reported += 1
+                self._emit_if_complete()
             elif isinstance(item, HeldAudioMetricsData):
                 if (turn := self._listening or self._answering) is not None:
                     turn.preparation.discarded_audio_ms += item.discarded_audio_ms
