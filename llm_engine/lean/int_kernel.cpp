@@ -179,22 +179,25 @@ void run(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, cons
   };
   // About 64k products a task: fewer, and the threads' start costs more than they share.
   const int64_t grain = std::max<int64_t>(1, 65536 / (LANES * in_features * rows));
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain);
-  if (threads < 2 || at::in_parallel_region()) {
+  if (blocks <= grain || at::get_num_threads() < 2 || at::in_parallel_region()) {
     for (int64_t r = 0; r < rows; ++r) quantise(r);
     products(0, blocks);
     return;
   }
   // One team for both steps: the rows quantised between the threads (a serial step that had
   // the other threads wait, about 20 ns a group of a row), then the blocks split as
-  // at::parallel_for splits them. Each row and block runs the same code on any thread.
-#pragma omp parallel num_threads(threads)
+  // at::parallel_for splits them. Each row and block runs the same code on any thread. The
+  // whole pool as at::parallel_for starts it (a smaller team has libgomp let the rest of its
+  // threads go, to start them again for the next op), its threads past `workers` idle.
+#pragma omp parallel
   {
-    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
-    for (int64_t r = t; r < rows; r += team) quantise(r);
+    const int64_t t = omp_get_thread_num();
+    const int64_t workers = std::min<int64_t>(omp_get_num_threads(), (blocks + grain - 1) / grain);
+    if (t < workers)
+      for (int64_t r = t; r < rows; r += workers) quantise(r);
 #pragma omp barrier
-    const int64_t chunk = (blocks + team - 1) / team, begin = t * chunk;
-    if (begin < blocks) products(begin, std::min(blocks, begin + chunk));
+    const int64_t chunk = (blocks + workers - 1) / workers, begin = t * chunk;
+    if (t < workers && begin < blocks) products(begin, std::min(blocks, begin + chunk));
   }
 }
 

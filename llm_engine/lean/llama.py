@@ -285,7 +285,7 @@ class LeanLlama(nn.Module):
         rotary = decoder.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        self._rope_cos, self._rope_sin = self._rope_table(KEY_BLOCK)
+        self._rope_cos, self._rope_sin = self._rope_table(0, KEY_BLOCK)
         codes = read_q4_1(gguf_file, self.heads, self.kv_heads) \
             if fmt == "q4" and gguf_file else {}
         params = dict(model.named_parameters())
@@ -375,14 +375,16 @@ class LeanLlama(nn.Module):
     def rope(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [n, head_dim] of `positions` (all below `end`), read from a table of every
         position so far: its cos and sin were 1-2% of a decode step, computed afresh each one."""
-        if end > self._rope_cos.shape[0]:
-            self._rope_cos, self._rope_sin = self._rope_table(
-                whole_key_blocks(max(end, 2 * self._rope_cos.shape[0])))
+        length = self._rope_cos.shape[0]
+        if end > length:  # grown, never recomputed: a position's numbers never change
+            cos, sin = self._rope_table(length, whole_key_blocks(max(end, 2 * length)))
+            self._rope_cos = torch.cat([self._rope_cos, cos])
+            self._rope_sin = torch.cat([self._rope_sin, sin])
         return self._rope_cos[positions], self._rope_sin[positions]
 
-    def _rope_table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of positions 0 .. length - 1, each element as HF's rotary computes it."""
-        positions = torch.arange(length, device=self.inv_freq.device)
+    def _rope_table(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions start .. end - 1, each element as HF's rotary computes it."""
+        positions = torch.arange(start, end, device=self.inv_freq.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * self.rope_scale).to(self.dtype),

@@ -516,6 +516,26 @@ async def test_a_tool_turn_is_one_turn_with_its_tool_call_and_clocks_across_it()
     assert r.clocks.itl_ms.p50 == 30.0 and r.breakdown.prefill_ms == 30.0
 
 
+async def test_a_tool_turn_whose_preparation_was_superseded_still_ends():
+    """Prepared at a pause, then answered by a fresh request that calls a tool: the superseded
+    preparation's stats count as its waste and as reported, so the turn ends when the reply to
+    the tool's result has played (it had waited for a report already counted out)."""
+    obs, records = await observing(lambda obs: push(obs, VADUserStartedSpeakingFrame(), 0))
+    await prepared_request(obs, "p1", "where is my", 900, "Your")
+    await push(obs, VADUserStoppedSpeakingFrame(stop_secs=0.5), 1500)
+    await push(obs, TranscriptionFrame("where is my order", "user", "now"), 1505)
+    await push(obs, LLMContextFrame(LLMContext()), 1510, dst=LLM)
+    await push(obs, MetricsFrame(data=[RequestStartedMetricsData(
+        processor="llm", request_id="r1", prepared=False)]), 1511, src=LLM)
+    await push(obs, _stats("p1", cancelled=True), 1520)
+    await push(obs, request_metrics("r1", [10.0, 10.0], 3, [1, 1]), 1605)
+    await tool_call(obs, 1600, {"order_id": "A17", "status": "shipped"})
+    await the_reply(obs)
+    [r] = records
+    assert [call.name for call in r.tool_calls] == ["lookup_order"]
+    assert r.engine.generated_tokens == 7 and r.preparation.discarded_tokens == 9
+
+
 async def test_a_failed_tool_is_recorded_not_ok_and_turns_stay_apart():
     obs, records = await observing(tool_turn_until_the_tool)
     await tool_call(obs, 1600, {"error": "lookup_order took longer than 5 s"})

@@ -121,6 +121,7 @@ class _Turn:
     requests: int = 0
     reported: int = 0  # requests whose engine stats are in
     answer_id: str | None = None  # the latest request started for it: the turn's stats are its
+    own_requests: set[str] = field(default_factory=set)  # started for it since its last drop
     tool_calls: dict[str, _ToolRun] = field(default_factory=dict)  # by tool_call_id
     filler_audio_ns: int | None = None
     first_token_ns: int | None = None
@@ -178,6 +179,7 @@ class _Turn:
         self.latest_request_ns = self.reply_ns = None
         self.tts_started_ns = self.tts_first_chunk_ns = None
         self.llm_text, self.engine, self.audio_s, self.answer_id = [], None, 0.0, None
+        self.own_requests = set()
         self.unplayed, self.clause_audio_s, self.tts_contexts = [], 0.0, set()
         self.requests = self.reported = 0
         self.tool_calls = {}
@@ -512,6 +514,7 @@ class ClocksObserver(BaseObserver):
                     self._started[item.request_id] = turn
                     if not item.prepared or turn is self._preparing:  # its own, not a stray
                         turn.answer_id = item.request_id
+                        turn.own_requests.add(item.request_id)
             elif isinstance(item, EngineStatsMetricsData) and item.discarded:
                 self._started.pop(item.request_id, None)
                 if (turn := self._listening or self._answering) is not None:
@@ -525,6 +528,9 @@ class ClocksObserver(BaseObserver):
                     # cancelled: its work is waste, and its stats, however late they come
                     # (a remote server's cancel on a loaded machine), are not the answer's.
                     turn.preparation.discarded_tokens += item.stats.generated_tokens
+                    if item.request_id in turn.own_requests:  # one of `requests`: it reported
+                        turn.reported += 1
+                        self._emit_if_complete()
                     continue
                 stats = TurnStats.of(item.stats, request_id=item.request_id,
                                      interrupted=item.interrupted, error=item.error)
