@@ -71,7 +71,10 @@ async def test_barge_in_silences_the_bot_and_keeps_only_what_was_spoken(cfg, sha
     result = await simulate_call(talkative, shared, audio, after_bot={len(ask): 1.0})
     first = result.turns[0]
     assert first.interrupted
-    assert first.engine.finish_reason == "cancelled"
+    # A reply still streaming when the caller cut in is cancelled in the engine. On an idle
+    # machine the 160 tokens may all be out (0.6 s on one thread) before the caller has heard
+    # 1 s of them: then there was nothing to cancel, and the request says it was not interrupted.
+    assert first.engine.finish_reason == "cancelled" or not first.engine.interrupted
     assert first.barge_in_to_silence_ms is not None
     assert first.barge_in_to_silence_ms < BARGE_IN_BOUND_MS
     heard, generated = " ".join(first.bot_text.split()), " ".join(first.llm_text.split())
