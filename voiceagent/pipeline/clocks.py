@@ -120,8 +120,8 @@ class _Turn:
     reply_ns: int | None = None  # the request answering tool results, if its text came first
     requests: int = 0
     reported: int = 0  # requests whose engine stats are in
-    answer_id: str | None = None  # the latest request started for it: the turn's stats are its
-    own_requests: set[str] = field(default_factory=set)  # started for it since its last drop
+    # requests started for it since its last drop, in order: the last one's stats are the turn's
+    own_requests: list[str] = field(default_factory=list)
     tool_calls: dict[str, _ToolRun] = field(default_factory=dict)  # by tool_call_id
     filler_audio_ns: int | None = None
     first_token_ns: int | None = None
@@ -178,8 +178,7 @@ class _Turn:
         self.request_ns = self.first_token_ns = self.prepared_ns = None
         self.latest_request_ns = self.reply_ns = None
         self.tts_started_ns = self.tts_first_chunk_ns = None
-        self.llm_text, self.engine, self.audio_s, self.answer_id = [], None, 0.0, None
-        self.own_requests = set()
+        self.llm_text, self.engine, self.audio_s, self.own_requests = [], None, 0.0, []
         self.unplayed, self.clause_audio_s, self.tts_contexts = [], 0.0, set()
         self.requests = self.reported = 0
         self.tool_calls = {}
@@ -513,8 +512,7 @@ class ClocksObserver(BaseObserver):
                 if (turn := self._replying(item.prepared)) is not None:
                     self._started[item.request_id] = turn
                     if not item.prepared or turn is self._preparing:  # its own, not a stray
-                        turn.answer_id = item.request_id
-                        turn.own_requests.add(item.request_id)
+                        turn.own_requests.append(item.request_id)
             elif isinstance(item, EngineStatsMetricsData) and item.discarded:
                 self._started.pop(item.request_id, None)
                 if (turn := self._listening or self._answering) is not None:
@@ -523,7 +521,8 @@ class ClocksObserver(BaseObserver):
                 turn = self._owner(item)
                 if turn is None:
                     continue
-                if not turn.tool_calls and turn.answer_id not in (None, item.request_id):
+                latest = turn.own_requests[-1] if turn.own_requests else item.request_id
+                if not turn.tool_calls and item.request_id != latest:
                     # A request the turn went on from (its preparation superseded, a re-run),
                     # cancelled: its work is waste, and its stats, however late they come
                     # (a remote server's cancel on a loaded machine), are not the answer's.
