@@ -13,6 +13,7 @@ from voiceagent.bench.batch import (
     aggregate_tok_s,
     batch_sampling,
     decode_together,
+    paired_ratios,
     render,
     run_batch,
 )
@@ -90,6 +91,23 @@ def test_repeats_take_the_median_of_each_ways_runs(engine):
     [row] = run_batch(engine, prompts, [2], ["off"], 8, say=lambda _: None, repeats=3)
     assert row["repeats"] == 3 and row["identical"]
     assert row["shared_tok_s"] > 0 and row["one_by_one_tok_s"] > 0
+
+
+def test_each_repeats_ratio_pairs_it_with_the_one_session_run_of_the_same_repeat(engine):
+    prompts = random_prompts(engine.runner.lean.vocab, 2, seed=10)
+    one, two = run_batch(engine, prompts, [1, 2], ["off"], 6, say=lambda _: None, repeats=3)
+    assert len(two["all_live_runs_tok_s"]) == 3
+    assert two["all_live_vs_one_session_runs"] == pytest.approx(
+        [a / b for a, b in zip(two["all_live_runs_tok_s"], one["all_live_runs_tok_s"],
+                               strict=True)])
+    assert one["all_live_vs_one_session_runs"] == pytest.approx([1.0] * 3)
+    runs = two["all_live_vs_one_session_runs"]
+    table = render([one, two], ["# header"])
+    assert f"({min(runs):.2f}–{max(runs):.2f})" in table and "(1.00–1.00)" not in table
+
+
+def test_paired_ratios_skip_a_repeat_without_both_rates():
+    assert paired_ratios([4.0, None, 9.0], [2.0, 3.0, None]) == [2.0]
 
 
 def test_each_repeat_runs_every_session_count_in_turn(engine):

@@ -21,6 +21,9 @@ read higher than on replies that end.
 - identical: every session's tokens in the shared run equal its tokens stepped one by one
   (each its own forward, as alone);
 - shared ÷ 1 session: against the same mode's one session of this run;
+- all live ÷ 1 session: the all-live rate's median over the one session's, and with repeats, in
+  brackets, the lowest and highest of each repeat's own ratio (`paired_ratios`: the two sides
+  measured a minute apart at most, where the medians may come from different minutes);
 - attending alone: the shared forward with each session attending over its cache in a product of
   its own (the lean runner before its cache pool), where the runner attends in one product.
 
@@ -137,6 +140,8 @@ def run_batch(engine: SpeculativeEngine, prompts: list[list[int]], sizes: list[i
         row["shared_vs_one_session"] = _ratio(row["shared_tok_s"], one and one["shared_tok_s"])
         row["all_live_vs_one_session"] = _ratio(row["all_live_tok_s"],
                                                 one and one["all_live_tok_s"])
+        row["all_live_vs_one_session_runs"] = paired_ratios(
+            row["all_live_runs_tok_s"], one["all_live_runs_tok_s"]) if one else []
     return rows
 
 
@@ -152,6 +157,7 @@ def _row(mode: str, sessions: int, runs: list[tuple]) -> dict:
         "one_by_one_tok_s": statistics.median(a["aggregate_tok_s"] for a, _, _ in runs),
         "shared_tok_s": statistics.median(b["aggregate_tok_s"] for _, b, _ in runs),
         "all_live_tok_s": _median(b["all_live_tok_s"] for _, b, _ in runs),
+        "all_live_runs_tok_s": [b["all_live_tok_s"] for _, b, _ in runs],  # by repeat
         "attend_alone_tok_s": statistics.median(c["aggregate_tok_s"] for c in alone)
         if alone else None,
         "session_tok_s_p50": statistics.median(per_session) if per_session else None,
@@ -161,6 +167,13 @@ def _row(mode: str, sessions: int, runs: list[tuple]) -> dict:
     }
 
 
+def paired_ratios(runs: list[float | None], ones: list[float | None]) -> list[float]:
+    """Each repeat's rate over the one-session rate of the same repeat (measured next to it, so
+    that a drift of the machine between repeats cancels), where both are known."""
+    ratios = (_ratio(a, b) for a, b in zip(runs, ones, strict=True))
+    return [r for r in ratios if r is not None]
+
+
 def _median(values) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
@@ -168,6 +181,13 @@ def _median(values) -> float | None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def _spread(row: dict) -> str:
+    """ " (lowest–highest)" of a row's per-repeat ratios, where it has two or more (not the one
+    session's own row: 1.00 each)."""
+    runs = row.get("all_live_vs_one_session_runs") or []
+    return f" ({min(runs):.2f}–{max(runs):.2f})" if len(runs) > 1 and row["sessions"] > 1 else ""
 
 
 def render(rows: list[dict], header: list[str]) -> str:
@@ -183,7 +203,8 @@ def render(rows: list[dict], header: list[str]) -> str:
             f"{fmt(r.get('attend_alone_tok_s'), 1)} | {fmt(r['shared_tok_s'], 1)} | "
             f"{fmt(_ratio(r['shared_tok_s'], r['one_by_one_tok_s']), 2, 'x')} | "
             f"{fmt(r['shared_vs_one_session'], 2, 'x')} | {fmt(r['all_live_tok_s'], 1)} | "
-            f"{fmt(r['all_live_vs_one_session'], 2, 'x')} | {fmt(r['session_tok_s_p50'], 1)} | "
+            f"{fmt(r['all_live_vs_one_session'], 2, 'x')}{_spread(r)} | "
+            f"{fmt(r['session_tok_s_p50'], 1)} | "
             f"{'yes' if r['identical'] else '**no**'} |")
     return "\n".join(lines) + "\n"
 
