@@ -92,8 +92,13 @@ class TTSConfig:
     # call's requests submitted before it, up to this long: the chunk's audio gives what follows
     # a second or more, and beside the decoding it took twice its time alone; 0: off.
     first_phrase_hold_s: float = 0.3
+    # A reply's later phrases are synthesised when the audio before them runs less than this
+    # far ahead of the caller's playback, not all at once: another caller's reply, starting
+    # meanwhile, gets the cores; 0: as fast as Piper goes.
+    lead_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if not self.first_phrase_hold_s >= 0:  # NaN too
-            raise ValueError(f"tts.first_phrase_hold_s must be 0 (off) or more, "
-                             f"not {self.first_phrase_hold_s}")
+        for name in ("first_phrase_hold_s", "lead_s"):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise ValueError(f"tts.{name} must be 0 (off) or more, "
+                                 f"not {getattr(self, name)}")

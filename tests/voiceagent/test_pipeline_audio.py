@@ -443,6 +443,46 @@ async def test_a_replys_first_phrase_holds_its_calls_engine_requests_while_synth
     assert len(released_at_synthesis) >= 3 and all(released_at_synthesis[1:])
 
 
+@pytest.mark.parametrize("lead_s", [0.3, 0.0])
+async def test_a_replys_later_phrases_are_synthesised_as_its_playback_needs_them(voice, lead_s):
+    """With `tts.lead_s`, each phrase after the first waits until the audio before it runs at
+    most that far ahead of real-time playback from the first chunk; with 0, none waits."""
+    starts: list[float] = []
+
+    class SpiedVoice:  # when each clause's synthesis begins
+        config = voice.config
+
+        def synthesize(self, text, **kwargs):
+            starts.append(time.monotonic())
+            return voice.synthesize(text, **kwargs)
+
+    tts = make_tts(TTSConfig(lead_s=lead_s), SpiedVoice())
+    tts._syn_config = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)  # exact lengths
+    clauses = ["Paris is the capital of France,", "and it has many lovely museums,",
+               "and the people are very kind."]
+    send = [LLMFullResponseStartFrame(), *[LLMTextFrame(c + " ") for c in clauses],
+            LLMFullResponseEndFrame()]
+    first_audio: list[float] = []
+
+    class FirstChunk(BaseObserver):
+        async def on_push_frame(self, data: FramePushed):
+            if data.source is tts and isinstance(data.frame, TTSAudioRawFrame):
+                first_audio.append(time.monotonic())
+
+    down, _ = await run_test(tts, frames_to_send=send, observers=[FirstChunk()])
+    assert [f.text for f in down if isinstance(f, TTSTextFrame)] == clauses
+    assert len(starts) == 3
+    # Playback reaches the third clause's audio once the first two have played.
+    audio_before = sum(len(chunk.audio_int16_array) for clause in clauses[:2]
+                       for chunk in voice.synthesize(clause, syn_config=tts._syn_config))
+    audio_before /= voice.config.sample_rate
+    due = first_audio[0] + audio_before - lead_s
+    if lead_s:  # not synthesised sooner than lead_s before that
+        assert starts[2] >= due - 0.05, (starts[2] - first_audio[0], audio_before)
+    else:  # as fast as Piper goes: long before playback would need it
+        assert starts[2] < due - 1.0, (starts[2] - first_audio[0], audio_before)
+
+
 async def test_a_reply_is_an_opening_from_its_start_to_its_first_audio(voice):
     openings, open_at_synthesis = Openings(), []
 

@@ -14,12 +14,16 @@ takes about 0.5 s and 60 MB, too much per call and too slow for the event loop).
   held after us (held_reply.py); when it is withdrawn (EagerEndOfTurnCancelFrame) we drop it as
   an interruption would: its queued text, its clause in progress and its audio;
 - a reply is an opening (`speech_worker.Openings`) from its start to its first chunk's audio, so
-  that the process's speech workers hold their background jobs meanwhile.
+  that the process's speech workers hold their background jobs meanwhile;
+- a reply's later phrases are synthesised as its playback needs them (`tts.lead_s`,
+  `playback_lead.py`), not all at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
@@ -50,6 +54,7 @@ from audio.text import ClauseSplitter, split_clauses
 from audio.wav import resample
 from voiceagent.models import resolve
 from voiceagent.pipeline.frames import PreparedResponseStartFrame
+from voiceagent.pipeline.playback_lead import PlaybackLead
 from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, Openings, SpeechWorker, run_on
 
 
@@ -108,6 +113,7 @@ class ClausePiperTTSService(TTSService):
         self._hold_engine = hold_engine if cfg.first_phrase_hold_s > 0 else None
         self._hold_s = cfg.first_phrase_hold_s
         self._openings = openings  # this call's reply, from its start to its first audio
+        self._lead = PlaybackLead(cfg.lead_s)  # the reply's audio ahead of its playback
         self._min_clause_chars = cfg.min_clause_chars
         self._first_phrase_words = cfg.first_phrase_words
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
@@ -123,6 +129,7 @@ class ClausePiperTTSService(TTSService):
     async def process_frame(self, frame: Frame, direction: FrameDirection):
         if isinstance(frame, LLMFullResponseStartFrame | TTSSpeakFrame):
             self._first_phrase = True
+            self._lead.start()
             # A spoken template or filler (TTSSpeakFrame) has no reply decoding beside it.
             self._reply = isinstance(frame, LLMFullResponseStartFrame)
         if isinstance(frame, LLMFullResponseStartFrame):
@@ -180,6 +187,7 @@ class ClausePiperTTSService(TTSService):
         for clause in clauses:
             chunks = self._voice.synthesize(clause, syn_config=self._syn_config)
             while (chunk := await self._next_chunk(chunks)) is not None:
+                self._lead.synthesised(len(chunk.audio_int16_array) / rate, time.monotonic())
                 yield resample(chunk.audio_int16_array, rate, self.sample_rate).tobytes()
 
     def _opening(self, on: bool) -> None:
@@ -190,6 +198,9 @@ class ClausePiperTTSService(TTSService):
         """Piper's next chunk on the process's TTS worker (a reply's first phrase before other
         calls' later ones)."""
         first, self._first_phrase = self._first_phrase, False
+        wait_s = 0.0 if first else self._lead.wait_s(time.monotonic())
+        if wait_s > 0:  # the caller hears what is synthesised already meanwhile
+            await asyncio.sleep(wait_s)
         try:
             return await self._chunk_on_worker(chunks, first)
         finally:
