@@ -83,6 +83,9 @@ class TTSConfig:
     voice: str = "piper-joe-medium"
     use_cuda: bool = False
     cpu_threads: int = 0  # onnxruntime threads on a CPU; 0: its default (one per core)
+    # Those threads spin-wait between ops (onnxruntime's default): a few percent faster alone,
+    # but the spinning takes cycles from the engine and Whisper on the same cores.
+    spin: bool = False
     length_scale: float = 1.0  # >1 speaks slower
     min_clause_chars: int = 6  # a shorter clause ("Hi,") waits to be spoken with the next one
     # The first phrase of a reply may end before a phrase opener ("with", "and") once it has

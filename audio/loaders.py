@@ -25,9 +25,12 @@ def load_whisper(model_dir: str | Path, device: str = "auto", compute_type: str 
                         cpu_threads=cpu_threads)
 
 
-def load_piper(onnx_path: str | Path, use_cuda: bool = False, cpu_threads: int = 0):
+def load_piper(onnx_path: str | Path, use_cuda: bool = False, cpu_threads: int = 0,
+               spin: bool = False):
     """`cpu_threads`: onnxruntime's intra-op threads on a CPU; 0 keeps its default (one per
-    core).
+    core). `spin`: those threads spin between ops waiting for work (onnxruntime's default) rather
+    than sleep: a few percent faster alone, but the spinning takes cycles from whatever shares
+    the cores (in a call, the engine and Whisper).
 
     On a CPU the session runs without onnxruntime's memory arena: Piper's buffers are as long as
     each phrase, and the arena kept the largest it had seen, fragmented, and grew by doubling
@@ -42,6 +45,7 @@ def load_piper(onnx_path: str | Path, use_cuda: bool = False, cpu_threads: int =
         # PiperVoice.load takes no session options: rebuild its session with ours.
         options = onnxruntime.SessionOptions()
         options.enable_cpu_mem_arena = False
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         if cpu_threads > 0:
             options.intra_op_num_threads = cpu_threads
         voice.session = onnxruntime.InferenceSession(

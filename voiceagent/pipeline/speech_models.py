@@ -32,7 +32,7 @@ from voiceagent.pipeline.vad import load_vad_model
 # and what Whisper transcribes while it measures them beside speech recognition.
 LOAD_PHRASE = "Your order shipped on Monday, and it should arrive by Thursday afternoon."
 SETTINGS = ("asr.model", "asr.device", "asr.compute_type", "asr.cpu_threads", "tts.voice",
-            "tts.use_cuda", "tts.cpu_threads", "vad.model")
+            "tts.use_cuda", "tts.cpu_threads", "tts.spin", "vad.model")
 
 
 def speech_settings(cfg: Config) -> dict[str, object]:

@@ -228,7 +228,7 @@ def load_tts_voice(cfg: TTSConfig):
     """The PiperVoice the registry names; one per process, shared by every call (its ONNX
     session is safe to call from several threads)."""
     return load_piper(resolve(cfg.voice, "tts").location, use_cuda=cfg.use_cuda,
-                      cpu_threads=cfg.cpu_threads)
+                      cpu_threads=cfg.cpu_threads, spin=cfg.spin)
 
 
 def make_tts(cfg: TTSConfig, voice, worker: SpeechWorker | None = None,
