@@ -16,9 +16,10 @@ from __future__ import annotations
 
 
 class PlaybackLead:
-    def __init__(self, lead_s: float):
-        """lead_s: the audio kept ahead of playback, in seconds; 0: no waiting."""
-        self.lead_s = lead_s
+    def __init__(self, lead_s: float, max_wait_s: float):
+        """lead_s: the audio kept ahead of playback, in seconds; 0: no waiting. max_wait_s: the
+        longest one wait (pipecat's TTS ends a reply's audio context after a quiet spell)."""
+        self.lead_s, self.max_wait_s = lead_s, max_wait_s
         self._audio_s = 0.0
         self._first_at: float | None = None  # monotonic, when the reply's first chunk came
 
@@ -37,4 +38,4 @@ class PlaybackLead:
         if self.lead_s <= 0 or self._first_at is None:
             return 0.0
         ahead = self._audio_s - (now - self._first_at)
-        return max(0.0, ahead - self.lead_s)
+        return min(self.max_wait_s, max(0.0, ahead - self.lead_s))

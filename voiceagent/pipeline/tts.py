@@ -57,6 +57,8 @@ from voiceagent.pipeline.frames import PreparedResponseStartFrame
 from voiceagent.pipeline.playback_lead import PlaybackLead
 from voiceagent.pipeline.speech_worker import BACKGROUND, CRITICAL, Openings, SpeechWorker, run_on
 
+STOP_FRAME_TIMEOUT_S = 3.0  # pipecat's: a reply's audio context ends after this long without any
+
 
 class ClauseTextAggregator(BaseTextAggregator):
     """pipecat text aggregator that yields clauses. Aggregations are typed SENTENCE: to pipecat a
@@ -101,6 +103,7 @@ class ClausePiperTTSService(TTSService):
         super().__init__(
             push_start_frame=True,
             push_stop_frames=True,
+            stop_frame_timeout_s=STOP_FRAME_TIMEOUT_S,
             settings=TTSSettings(model=None, voice=voice_name, language=None),
             **kwargs,
         )
@@ -113,7 +116,9 @@ class ClausePiperTTSService(TTSService):
         self._hold_engine = hold_engine if cfg.first_phrase_hold_s > 0 else None
         self._hold_s = cfg.first_phrase_hold_s
         self._openings = openings  # this call's reply, from its start to its first audio
-        self._lead = PlaybackLead(cfg.lead_s)  # the reply's audio ahead of its playback
+        # The reply's audio ahead of its playback; a wait and the synthesis after it stay well
+        # inside the quiet spell after which pipecat would end the reply's audio context.
+        self._lead = PlaybackLead(cfg.lead_s, max_wait_s=STOP_FRAME_TIMEOUT_S / 2)
         self._min_clause_chars = cfg.min_clause_chars
         self._first_phrase_words = cfg.first_phrase_words
         self._syn_config = SynthesisConfig(length_scale=cfg.length_scale)
