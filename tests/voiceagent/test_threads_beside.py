@@ -15,7 +15,9 @@ from llm_engine.engine import SpeculativeEngine
 from llm_engine.loading import LoadedModel
 from tests.llm_engine.tiny_models import make_model, make_tokenizer
 from voiceagent import llm_setup
+from voiceagent.config import Config
 from voiceagent.llm_setup import LLMRuntime, threads_beside
+from voiceagent.pipeline.speech_models import decoding_load
 
 LOAD = threads.Load("speech", contextlib.nullcontext)
 
@@ -64,3 +66,10 @@ def test_no_count_beside_speech_where_a_sampling_drafter_is_loaded(runtime, meas
 def test_no_count_beside_speech_for_an_engine_on_one_thread(runtime, measured_one, tmp_path):
     one = dataclasses.replace(runtime, threads=1)
     assert threads_beside(EngineConfig(), one, str(tmp_path), LOAD, print) is None
+
+
+def test_the_tts_load_is_named_for_how_pipers_threads_wait():
+    """A thread count cached beside spinning Piper threads is not taken beside sleeping ones."""
+    asleep, spinning = Config(), Config()
+    spinning.tts.spin = True
+    assert decoding_load(asleep, None).name != decoding_load(spinning, None).name

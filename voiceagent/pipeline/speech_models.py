@@ -107,7 +107,10 @@ def decoding_load(cfg: Config, voice) -> Load:
     threads beside (`engine.threads: auto`): Piper (`voice`) synthesising a phrase, then resting
     as long, so busy about half the time, as while a reply is spoken."""
     threads = cfg.tts.cpu_threads or "default"
-    return Load(f"TTS {cfg.tts.voice} on {threads} threads, half the time",
+    # how its threads wait between ops is part of the name: a choice cached beside spinning
+    # threads is not one beside sleeping ones
+    waits = "spinning" if cfg.tts.spin else "sleeping"
+    return Load(f"TTS {cfg.tts.voice} on {threads} threads {waits} between ops, half the time",
                 lambda: _synthesising(voice))
 
 
