@@ -2,6 +2,7 @@
 
 import pytest
 
+from audio.config import TTSConfig
 from voiceagent.pipeline.playback_lead import PlaybackLead
 
 
@@ -37,3 +38,9 @@ def test_one_wait_is_at_most_max_wait_s():
     lead = PlaybackLead(1.0, max_wait_s=1.5)
     lead.synthesised(6.0, now=0.0)  # one long clause: 5 s beyond the lead
     assert lead.wait_s(now=0.0) == 1.5
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan")])
+def test_a_negative_or_nan_lead_is_refused(bad):
+    with pytest.raises(ValueError, match="tts.lead_s must be 0"):
+        TTSConfig(lead_s=bad)
